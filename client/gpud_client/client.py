@@ -1,0 +1,499 @@
+"""The synchronous client: one connection, one reader thread, sessions.
+
+``with session.slice():`` wraps one unit of GPU work. It takes the GPU lock if
+the session does not hold it, and at exit gives it back only if a DROP_LOCK is
+pending; between slices the lock is kept, so a training loop pays no round trip
+per step. A DROP_LOCK that arrives between slices is answered at once, and a
+lock unused for ``idle_release`` seconds is given back early (nvshare's early
+release).
+
+When the daemon goes away the reader thread reconnects with backoff and
+re-attaches every session (the locks themselves are gone with the daemon). A
+slice started meanwhile waits up to ``unavailable_timeout`` seconds for the
+daemon and then raises ``DaemonUnavailable`` or, with
+``proceed_unarbitrated=True``, runs without the lock. That is the documented
+choice; nothing else is silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import msgspec
+
+from gpud_client import protocol as p
+from gpud_client.connection import Connection
+from gpud_client.errors import DaemonUnavailable, GpudError, error_from
+
+log = logging.getLogger("gpud_client")
+State = Literal["idle", "waiting", "holding", "releasing"]
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 2.0
+
+
+class _Pending:
+    __slots__ = ("event", "reply")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: Any = None
+
+
+class Session:
+    """A process's place on one GPU. Create with ``Client.session``."""
+
+    def __init__(
+        self,
+        client: Client,
+        gpu: int | str,
+        *,
+        priority: int,
+        idle_release: float | None,
+        on_drop: Callable[[p.DropReason], None] | None,
+        synchronize: Callable[[], None] | None,
+    ) -> None:
+        self.client = client
+        self.gpu_ref = gpu
+        self.priority = priority
+        self.idle_release = idle_release
+        self.on_drop = on_drop
+        self.synchronize = synchronize
+        self.id = 0  # the daemon's session id; changes on re-attach
+        self.gpu = -1
+        self.state: State = "idle"
+        self.grant = 0
+        self.drop_pending: p.DropReason | None = None
+        self.in_slice = False
+        self.request_id = 0
+        self.last_used = 0.0
+        self.error: GpudError | None = None
+        self.closed = False
+        # counters an application can read
+        self.grants = 0
+        self.drops = 0
+        self.revocations = 0
+
+    @property
+    def holding(self) -> bool:
+        return self.state == "holding"
+
+    @contextmanager
+    def slice(self) -> Iterator[Session]:
+        """One unit of GPU work under the lock."""
+        arbitrated = self.client._enter_slice(self)
+        try:
+            yield self
+        finally:
+            if arbitrated:
+                self.client._exit_slice(self)
+
+    def acquire(self) -> None:
+        """Take the lock and keep it until ``release`` (no slice bookkeeping)."""
+        self.client._acquire(self)
+
+    def release(self) -> None:
+        """Give the lock back now, if held."""
+        self.client._release(self)
+
+    def close(self) -> None:
+        self.client._detach(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to gpud shared by the sessions of one process."""
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        reconnect: bool = True,
+        unavailable_timeout: float = 10.0,
+        proceed_unarbitrated: bool = False,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self.path = p.resolve_socket_path(socket)
+        self.name = name
+        self.labels = dict(labels or {})
+        self.reconnect = reconnect
+        self.unavailable_timeout = unavailable_timeout
+        self.proceed_unarbitrated = proceed_unarbitrated
+        self.request_timeout = request_timeout
+        self._cond = threading.Condition(threading.RLock())
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._lock_requests: dict[int, Session] = {}  # LOCK_REQUEST id -> session
+        self._sessions: dict[int, Session] = {}  # daemon session id -> session
+        self._all: list[Session] = []
+        self._closed = False
+        self.scheduler_on: dict[int, bool] = {}
+        self.reconnects = 0
+        self._conn: Connection | None = None
+        self._open()  # the first connect fails loudly: DaemonUnavailable
+        self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
+        self._reader.start()
+        self._idle = threading.Thread(target=self._idle_loop, name="gpud-client-idle", daemon=True)
+        self._idle.start()
+
+    # --- public API -----------------------------------------------------------
+
+    @property
+    def client_id(self) -> int:
+        return self.welcome.client_id
+
+    def session(
+        self,
+        gpu: int | str = 0,
+        *,
+        priority: int = 0,
+        idle_release: float | None = 1.0,
+        on_drop: Callable[[p.DropReason], None] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> Session:
+        s = Session(self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize)
+        reply = self.call(p.Attach(id=0, gpu=gpu, priority=priority))
+        with self._cond:
+            self._bind(s, reply)
+            self._all.append(s)
+        return s
+
+    def call(self, msg: msgspec.Struct) -> Any:
+        """Send a request and wait for its answer; an Error becomes an exception."""
+        conn = self._require_conn()
+        pend = _Pending()
+        with self._cond:
+            rid = conn.next_id()
+            msg = msgspec.structs.replace(msg, id=rid)  # type: ignore[type-var]
+            self._pending[rid] = pend
+        try:
+            self._send(conn, msg)
+            if not pend.event.wait(self.request_timeout):
+                raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {self.request_timeout} s")
+        finally:
+            with self._cond:
+                self._pending.pop(rid, None)
+        reply = pend.reply
+        if isinstance(reply, GpudError):
+            raise reply
+        if isinstance(reply, p.Error):
+            raise error_from(reply.code, reply.message)
+        return reply
+
+    def status(self) -> p.StatusReply:
+        reply: p.StatusReply = self.call(p.Status(id=0))
+        return reply
+
+    def clients(self) -> p.ClientsReply:
+        reply: p.ClientsReply = self.call(p.ListClients(id=0))
+        return reply
+
+    def set_tq(self, seconds: float, gpu: int | str | None = None) -> None:
+        self.call(p.SetTq(id=0, seconds=seconds, gpu=gpu))
+
+    def set_scheduler(self, on: bool, gpu: int | str | None = None) -> None:
+        self.call(p.SchedOn(id=0, gpu=gpu) if on else p.SchedOff(id=0, gpu=gpu))
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conn, self._conn = self._conn, None
+            self._cond.notify_all()
+        if conn is not None:
+            conn.close()
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- sessions -----------------------------------------------------------
+
+    def _enter_slice(self, s: Session) -> bool:
+        with self._cond:
+            if s.closed:
+                raise GpudError("this session is closed")
+            if s.in_slice:
+                raise GpudError("slices of one session do not nest")
+        if not self._acquire(s):
+            return False
+        with self._cond:
+            s.in_slice = True
+        return True
+
+    def _exit_slice(self, s: Session) -> None:
+        with self._cond:
+            s.in_slice = False
+            s.last_used = time.monotonic()
+            release = s.state == "holding" and s.drop_pending is not None
+            if not release:
+                self._cond.notify_all()  # the idle thread re-arms
+                return
+            s.state = "releasing"
+        self._give_back(s)
+
+    def _acquire(self, s: Session) -> bool:
+        """Block until ``s`` holds the lock. False: proceeding unarbitrated."""
+        deadline: float | None = None
+        with self._cond:
+            while True:
+                if s.error is not None:
+                    err, s.error = s.error, None
+                    raise err
+                if s.state == "holding":
+                    return True
+                if self._closed or s.closed:
+                    raise GpudError("the client or session is closed")
+                if self._conn is None or s.id == 0:
+                    deadline = deadline or time.monotonic() + self.unavailable_timeout
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if self.proceed_unarbitrated:
+                            log.warning("gpud unavailable: running a slice without the GPU lock")
+                            return False
+                        raise DaemonUnavailable(
+                            f"gpud at {self.path} has been unreachable for {self.unavailable_timeout} s"
+                        )
+                    self._cond.wait(left)
+                    continue
+                if s.state == "idle":
+                    conn = self._conn
+                    s.state = "waiting"
+                    # Only a refusal answers a LOCK_REQUEST (an Error with this
+                    # id); the grant comes as a LOCK_OK push.
+                    s.request_id = conn.next_id()
+                    self._lock_requests[s.request_id] = s
+                    self._send(conn, p.LockRequest(id=s.request_id, session=s.id))
+                self._cond.wait()
+
+    def _release(self, s: Session) -> None:
+        with self._cond:
+            if s.state != "holding":
+                return
+            s.state = "releasing"
+        self._give_back(s)
+
+    def _give_back(self, s: Session) -> None:
+        """Synchronize, then LOCK_RELEASED. Called with s.state == 'releasing'."""
+        if s.synchronize is not None:
+            try:
+                s.synchronize()
+            except Exception:
+                log.exception("synchronize hook failed; releasing the GPU lock anyway")
+        with self._cond:
+            if s.state != "releasing":  # revoked or reconnected meanwhile
+                return
+            conn = self._conn
+            s.state = "idle"
+            s.drop_pending = None
+            self._cond.notify_all()
+            if conn is not None and s.id:
+                try:
+                    self._send(conn, p.LockReleased(id=conn.next_id(), session=s.id, grant=s.grant))
+                except DaemonUnavailable:
+                    pass  # the reader reconnects; the lock died with the connection
+
+    def _detach(self, s: Session) -> None:
+        with self._cond:
+            if s.closed:
+                return
+            s.closed = True
+            sid = s.id
+            self._sessions.pop(sid, None)
+            if s in self._all:
+                self._all.remove(s)
+            self._cond.notify_all()
+        if sid and self._conn is not None:
+            try:
+                self.call(p.Detach(id=0, session=sid))
+            except GpudError:
+                pass  # gone with the connection either way
+
+    def _bind(self, s: Session, reply: p.Attached) -> None:
+        s.id = reply.session
+        s.gpu = reply.gpu
+        s.state = "idle"
+        s.drop_pending = None
+        self._sessions[s.id] = s
+        self.scheduler_on[reply.gpu] = reply.scheduler_on
+
+    # --- the reader thread ------------------------------------------------------
+
+    def _send(self, conn: Connection, msg: msgspec.Struct) -> None:
+        with self._send_lock:
+            conn.send(msg)
+
+    def _require_conn(self) -> Connection:
+        with self._cond:
+            if self._closed:
+                raise GpudError("the client is closed")
+            if self._conn is None:
+                raise DaemonUnavailable(f"not connected to gpud at {self.path} (reconnecting)")
+            return self._conn
+
+    def _open(self) -> None:
+        conn = Connection(self.path)
+        try:
+            self.welcome = conn.hello(self.name, self.labels)
+        except Exception:
+            conn.close()
+            raise
+        self.scheduler_on = {g.index: g.scheduler_on for g in self.welcome.gpus}
+        with self._cond:
+            self._conn = conn
+
+    def _read_loop(self) -> None:
+        while True:
+            conn = self._conn
+            if conn is not None:
+                try:
+                    while True:
+                        self._dispatch(conn.recv())
+                except GpudError as exc:
+                    self._lost(conn, exc)
+            if not self._reconnect():
+                return
+
+    def _dispatch(self, msg: Any) -> None:
+        with self._cond:
+            match msg:
+                case p.LockOk(session=sid, grant=g):
+                    s = self._sessions.get(sid)
+                    if s is not None:
+                        self._lock_requests.pop(s.request_id, None)
+                        s.state, s.grant, s.drop_pending = "holding", g, None
+                        s.grants += 1
+                        s.last_used = time.monotonic()
+                case p.DropLock(session=sid, grant=g, reason=reason):
+                    s = self._sessions.get(sid)
+                    if s is None or s.state != "holding" or s.grant != g:
+                        return
+                    s.drops += 1
+                    s.drop_pending = reason
+                    if s.on_drop is not None:
+                        self._call_hook(s.on_drop, reason)
+                    if not s.in_slice:
+                        s.state = "releasing"
+                        threading.Thread(target=self._give_back, args=(s,), daemon=True).start()
+                case p.Revoked(session=sid, grant=g, reason=reason):
+                    s = self._sessions.get(sid)
+                    if s is not None and s.grant == g and s.state in ("holding", "releasing"):
+                        s.state, s.drop_pending = "idle", None
+                        s.revocations += 1
+                        log.warning("gpud revoked the GPU lock of session %d (%s)", sid, reason)
+                case p.SchedState(gpu=gpu, on=on):
+                    self.scheduler_on[gpu] = on
+                case p.Error(id=rid) if rid is not None and rid in self._lock_requests:
+                    sess = self._lock_requests.pop(rid)
+                    sess.error = error_from(msg.code, msg.message)
+                    if sess.state == "waiting":
+                        sess.state = "idle"
+                case p.Error(id=rid) if rid is not None and rid in self._pending:
+                    target = self._pending[rid]
+                    target.reply = msg
+                    target.event.set()
+                case p.Error():
+                    log.warning("gpud reported %s: %s", msg.code, msg.message)
+                case _ if getattr(msg, "id", None) in self._pending:
+                    target = self._pending[msg.id]
+                    target.reply = msg
+                    target.event.set()
+            self._cond.notify_all()
+
+    @staticmethod
+    def _call_hook(hook: Callable[[p.DropReason], None], reason: p.DropReason) -> None:
+        try:
+            hook(reason)
+        except Exception:
+            log.exception("on_drop callback failed")
+
+    def _lost(self, conn: Connection, exc: GpudError) -> None:
+        with self._cond:
+            if self._conn is conn:
+                self._conn = None
+            self._lock_requests.clear()
+            for pend in self._pending.values():
+                pend.reply = DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}")
+                pend.event.set()
+            self._pending.clear()
+            for s in self._sessions.values():
+                s.state, s.drop_pending, s.id = "idle", None, 0
+            self._sessions.clear()
+            self._cond.notify_all()
+        conn.close()
+        if not self._closed:
+            log.warning("lost connection to gpud: %s", exc)
+
+    def _reconnect(self) -> bool:
+        """Reconnect with backoff and re-attach every session. False: stop."""
+        delay = _BACKOFF_START_S
+        while True:
+            with self._cond:
+                if self._closed or not self.reconnect:
+                    return False
+            try:
+                conn = Connection(self.path)
+                welcome = conn.hello(self.name, self.labels)
+                attached = [
+                    (s, conn.call(p.Attach(id=conn.next_id(), gpu=s.gpu_ref, priority=s.priority)))
+                    for s in list(self._all)
+                ]
+            except GpudError:
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            with self._cond:
+                self.welcome = welcome
+                self.scheduler_on = {g.index: g.scheduler_on for g in welcome.gpus}
+                for s, reply in attached:
+                    if not s.closed:
+                        self._bind(s, reply)
+                self._conn = conn
+                self.reconnects += 1
+                self._cond.notify_all()
+            log.info("reconnected to gpud at %s; %d session(s) re-attached", self.path, len(attached))
+            return True
+
+    def _idle_loop(self) -> None:
+        """Give back locks that no slice has used for ``idle_release`` s."""
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                due: list[Session] = []
+                wake: float | None = None
+                for s in self._sessions.values():
+                    if s.state != "holding" or s.in_slice or s.idle_release is None:
+                        continue
+                    at = s.last_used + s.idle_release
+                    if at <= now:
+                        due.append(s)
+                    else:
+                        wake = at if wake is None else min(wake, at)
+                for s in due:
+                    s.state = "releasing"
+                if due:
+                    self._cond.release()
+                    try:
+                        for s in due:
+                            self._give_back(s)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                self._cond.wait(None if wake is None else wake - now)

@@ -1,0 +1,107 @@
+"""A blocking connection to gpud: connect, HELLO, send and receive messages.
+
+The sync ``Client`` runs one of these under its reader thread; benchmarks and
+tools that want the bare protocol use it directly. Errors are ``GpudError``
+subclasses that say what went wrong and where.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from typing import Any
+
+import msgspec
+
+from gpud_client import protocol as p
+from gpud_client.errors import DaemonUnavailable, ProtocolError
+
+
+class Connection:
+    """One Unix-socket connection speaking the framed protocol, blocking."""
+
+    def __init__(self, path: str | None = None, *, timeout: float | None = 5.0) -> None:
+        self.path = p.resolve_socket_path(path)
+        self._codec = p.client_codec()
+        self._frames = p.FrameDecoder()
+        self._ready: list[bytes] = []
+        self._ids = itertools.count(1)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as exc:
+            self.sock.close()
+            hint = "" if os.path.exists(self.path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
+            raise DaemonUnavailable(f"cannot connect to gpud at {self.path}: {exc.strerror or exc}{hint}") from None
+        self.sock.settimeout(None)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        try:
+            self.sock.sendall(self._codec.encode(msg))
+        except OSError as exc:
+            raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next message from the daemon. Raises DaemonUnavailable on EOF."""
+        while not self._ready:
+            self.sock.settimeout(timeout)
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                raise TimeoutError(f"no message from gpud within {timeout} s") from None
+            except OSError as exc:
+                raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
+            finally:
+                self.sock.settimeout(None)
+            if not data:
+                raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
+            try:
+                self._ready.extend(self._frames.feed(data))
+            except p.FrameTooLarge as exc:
+                raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
+        payload = self._ready.pop(0)
+        try:
+            return self._codec.decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
+
+    def call(self, msg: msgspec.Struct, timeout: float | None = 10.0) -> Any:
+        """Send a request and wait for its answer, skipping pushes.
+
+        Only for a connection nobody else reads (set-up, tools)."""
+        self.send(msg)
+        rid = getattr(msg, "id")
+        while True:
+            reply = self.recv(timeout)
+            if getattr(reply, "id", None) != rid:
+                continue
+            if isinstance(reply, p.Error):
+                raise ProtocolError(reply.code, reply.message)
+            return reply
+
+    def hello(self, name: str = "", labels: dict[str, str] | None = None) -> p.Welcome:
+        welcome: p.Welcome = self.call(
+            p.Hello(id=self.next_id(), version=p.PROTOCOL_VERSION, name=name, labels=labels or {})
+        )
+        return welcome
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

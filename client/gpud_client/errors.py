@@ -1,0 +1,33 @@
+"""Exceptions the client raises. Each message says what went wrong."""
+
+from __future__ import annotations
+
+from gpud_client.protocol import ErrorCode
+
+
+class GpudError(Exception):
+    """Base class of every gpud client error."""
+
+
+class DaemonUnavailable(GpudError):
+    """gpud cannot be reached, or the connection to it was lost."""
+
+
+class ProtocolError(GpudError):
+    """gpud refused a request; ``code`` is one of ``ErrorCode``."""
+
+    def __init__(self, code: ErrorCode | str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+        self.message = message
+
+
+class PermissionDenied(ProtocolError):
+    """The request needs admin rights the caller does not have."""
+
+
+def error_from(code: ErrorCode | str, message: str) -> ProtocolError:
+    """The exception for an Error answer from the daemon."""
+    if code == ErrorCode.PERMISSION_DENIED:
+        return PermissionDenied(code, message)
+    return ProtocolError(code, message)

@@ -1,0 +1,391 @@
+"""The gpud wire protocol: every message, the framing and the error codes.
+
+This module is the one definition; the daemon imports it and nobody redefines a
+message. A frame is a 4-byte big-endian length followed by one msgpack message.
+Messages are frozen msgspec Structs in tagged unions keyed by ``type``; limits
+live in the types, so a decoded message is already validated.
+
+Requests carry an ``id`` chosen by the client; answers carry the ``id`` they
+answer; pushes (LOCK_OK, DROP_LOCK, REVOKED, SCHED_STATE) carry none. The lock
+vocabulary is nvshare's: LOCK_REQUEST, LOCK_OK, DROP_LOCK, LOCK_RELEASED,
+SCHED_ON, SCHED_OFF, SET_TQ.
+
+Nothing here does I/O: ``FrameDecoder`` is fed bytes and yields payloads, and it
+refuses a length over the limit before buffering it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "/run/gpud/gpud.sock"
+SOCKET_ENV = "GPUD_SOCKET"
+MAX_FRAME_BYTES = 64 * 1024
+_HEADER = struct.Struct(">I")
+HEADER_BYTES = _HEADER.size
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+SessionId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+GrantNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+Priority = Annotated[int, Meta(ge=0, le=100)]
+Name = Annotated[str, Meta(max_length=128)]
+# A GPU is named by its index, "gpu:N", or its UUID.
+GpuRef = Union[Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_length=1, max_length=96)]]
+Seconds = Annotated[float, Meta(gt=0, le=86400)]
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request was refused. Stable strings: scripts match on them."""
+
+    BAD_FRAME = "bad_frame"  # framing broken: the connection is closed after the error
+    FRAME_TOO_LARGE = "frame_too_large"  # length over the limit: closed after the error
+    UNKNOWN_TYPE = "unknown_type"  # a well-formed message of a type the daemon does not know
+    INVALID = "invalid"  # a field missing, of the wrong type or out of range
+    HELLO_REQUIRED = "hello_required"  # a request before HELLO
+    VERSION = "version"  # protocol versions do not match
+    UNKNOWN_GPU = "unknown_gpu"
+    UNKNOWN_SESSION = "unknown_session"
+    NOT_HOLDER = "not_holder"  # LOCK_RELEASED for a lock the session does not hold
+    STALE_GRANT = "stale_grant"  # LOCK_RELEASED naming an earlier grant
+    ALREADY_REQUESTED = "already_requested"  # LOCK_REQUEST while waiting or holding
+    PERMISSION_DENIED = "permission_denied"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class DropReason(enum.StrEnum):
+    """Why a holder is asked to give the lock back (DROP_LOCK)."""
+
+    TQ = "tq"  # held for the time quantum while someone waits
+    QUOTA = "quota"  # compute budget of the window used up
+    PREEMPT = "preempt"  # a higher-priority request cannot be admitted
+    MEMORY = "memory"  # reported memory no longer fits beside the others
+
+
+class RevokeReason(enum.StrEnum):
+    """Why a lock was taken away without the holder's LOCK_RELEASED."""
+
+    DROP_TIMEOUT = "drop_timeout"  # DROP_LOCK ignored past drop_timeout
+
+
+class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+# --- client -> daemon -------------------------------------------------------
+
+
+class Hello(_Msg, tag="HELLO"):
+    id: RequestId
+    version: int
+    name: Name = ""
+    labels: Annotated[dict[Name, Name], Meta(max_length=32)] = {}
+
+
+class Attach(_Msg, tag="ATTACH"):
+    """Open a session on one GPU; answered by ATTACHED."""
+
+    id: RequestId
+    gpu: GpuRef
+    priority: Priority = 0
+
+
+class Detach(_Msg, tag="DETACH"):
+    id: RequestId
+    session: SessionId
+
+
+class LockRequest(_Msg, tag="LOCK_REQUEST"):
+    """Ask for the session's GPU lock. Answered only by an ERROR on refusal;
+    the grant arrives later as a LOCK_OK push."""
+
+    id: RequestId
+    session: SessionId
+
+
+class LockReleased(_Msg, tag="LOCK_RELEASED"):
+    """Give the lock back. ``grant`` (optional) guards against releasing a
+    later grant with a stale message. Answered only by an ERROR on refusal."""
+
+    id: RequestId
+    session: SessionId
+    grant: GrantNo | None = None
+
+
+class SchedOn(_Msg, tag="SCHED_ON"):
+    id: RequestId
+    gpu: GpuRef | None = None  # None: every GPU
+
+
+class SchedOff(_Msg, tag="SCHED_OFF"):
+    id: RequestId
+    gpu: GpuRef | None = None
+
+
+class SetTq(_Msg, tag="SET_TQ"):
+    id: RequestId
+    seconds: Seconds
+    gpu: GpuRef | None = None
+
+
+class Status(_Msg, tag="STATUS"):
+    id: RequestId
+
+
+class ListClients(_Msg, tag="CLIENTS"):
+    id: RequestId
+
+
+ClientMessage = Union[
+    Hello, Attach, Detach, LockRequest, LockReleased, SchedOn, SchedOff, SetTq, Status, ListClients
+]
+
+
+# --- daemon -> client -------------------------------------------------------
+
+
+class GpuInfo(Struct, frozen=True, kw_only=True):
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    simulated: bool
+    scheduler_on: bool
+
+
+class Welcome(_Msg, tag="WELCOME"):
+    id: RequestId
+    client_id: int
+    version: int
+    gpus: list[GpuInfo]
+
+
+class Attached(_Msg, tag="ATTACHED"):
+    id: RequestId
+    session: SessionId
+    gpu: int
+    scheduler_on: bool
+
+
+class Ok(_Msg, tag="OK"):
+    id: RequestId
+
+
+class Error(_Msg, tag="ERROR"):
+    id: RequestId | None
+    code: ErrorCode
+    message: str
+
+
+class LockOk(_Msg, tag="LOCK_OK"):
+    session: SessionId
+    grant: GrantNo
+
+
+class DropLock(_Msg, tag="DROP_LOCK"):
+    session: SessionId
+    grant: GrantNo
+    reason: DropReason
+
+
+class Revoked(_Msg, tag="REVOKED"):
+    session: SessionId
+    grant: GrantNo
+    reason: RevokeReason
+
+
+class SchedState(_Msg, tag="SCHED_STATE"):
+    gpu: int
+    on: bool
+
+
+class HolderInfo(Struct, frozen=True, kw_only=True):
+    session: int
+    client_id: int
+    name: str
+    pid: int
+    grant: int
+    held_ms: float
+    drop_pending: DropReason | None
+
+
+class WaiterInfo(Struct, frozen=True, kw_only=True):
+    session: int
+    client_id: int
+    name: str
+    pid: int
+    priority: int
+    waited_ms: float
+
+
+class GpuStatus(Struct, frozen=True, kw_only=True):
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    simulated: bool
+    mode: Literal["serial"]
+    scheduler_on: bool
+    tq_s: float
+    holders: list[HolderInfo]
+    queue: list[WaiterInfo]
+    clients: int
+    grants: int
+    drops: dict[str, int]
+    revocations: int
+
+
+class StatusReply(_Msg, tag="STATUS_REPLY"):
+    id: RequestId
+    version: str
+    uptime_s: float
+    gpus: list[GpuStatus]
+
+
+class SessionInfo(Struct, frozen=True, kw_only=True):
+    session: int
+    gpu: int
+    state: Literal["idle", "waiting", "holding"]
+    priority: int
+    grants: int
+    hold_ms: float
+    wait_ms: float
+    drops: dict[str, int]
+    revocations: int
+
+
+class ClientInfo(Struct, frozen=True, kw_only=True):
+    client_id: int
+    name: str
+    pid: int
+    uid: int
+    gid: int
+    labels: dict[str, str]
+    connected_s: float
+    sessions: list[SessionInfo]
+
+
+class ClientsReply(_Msg, tag="CLIENTS_REPLY"):
+    id: RequestId
+    clients: list[ClientInfo]
+
+
+DaemonMessage = Union[
+    Welcome,
+    Attached,
+    Ok,
+    Error,
+    LockOk,
+    DropLock,
+    Revoked,
+    SchedState,
+    StatusReply,
+    ClientsReply,
+]
+
+CLIENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)  # type: ignore[attr-defined]
+
+
+# --- framing ----------------------------------------------------------------
+
+
+class FrameTooLarge(Exception):
+    """The peer announced a frame longer than the limit."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes is over the {limit}-byte limit")
+        self.length = length
+        self.limit = limit
+
+
+def frame(payload: bytes) -> bytes:
+    """Prefix one encoded message with its length."""
+    return _HEADER.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Splits a byte stream into payloads. Pure: feed bytes, get payloads.
+
+    The length is checked before anything is buffered for it, so a peer cannot
+    make us hold more than ``max_frame`` bytes plus one read.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while len(self._buf) >= HEADER_BYTES:
+            (length,) = _HEADER.unpack_from(self._buf)
+            if length > self._max:
+                raise FrameTooLarge(length, self._max)
+            end = HEADER_BYTES + length
+            if len(self._buf) < end:
+                break
+            out.append(bytes(self._buf[HEADER_BYTES:end]))
+            del self._buf[:end]
+        return out
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
+
+
+class Codec:
+    """One reused encoder and typed decoder for one side of a connection."""
+
+    def __init__(self, incoming: Any) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, msg: Struct) -> bytes:
+        return frame(self._enc.encode(msg))
+
+    def decode(self, payload: bytes) -> Any:
+        return self._dec.decode(payload)
+
+
+def client_codec() -> Codec:
+    """What a client uses: it encodes ClientMessage and decodes DaemonMessage."""
+    return Codec(DaemonMessage)
+
+
+def daemon_codec() -> Codec:
+    return Codec(ClientMessage)
+
+
+def describe_bad_message(payload: bytes, exc: msgspec.MsgspecError) -> tuple[int | None, ErrorCode, str]:
+    """Turn a payload that failed typed decoding into (id, code, message).
+
+    The id is recovered from an untyped decode when there is one, so the peer
+    can tell which request was refused.
+    """
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.MsgspecError:
+        return None, ErrorCode.BAD_FRAME, f"not a msgpack message: {exc}"
+    if not isinstance(raw, dict):
+        return None, ErrorCode.INVALID, f"a message must be a map with a 'type' field, got {type(raw).__name__}"
+    rid = raw.get("id")
+    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63 else None
+    kind = raw.get("type")
+    if isinstance(kind, str) and kind not in CLIENT_TYPES:
+        return rid, ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}"
+    return rid, ErrorCode.INVALID, str(exc)
+
+
+def resolve_socket_path(explicit: str | None = None, environ: dict[str, str] | None = None) -> str:
+    """--socket, else $GPUD_SOCKET, else the default: the same rule everywhere."""
+    if explicit:
+        return explicit
+    env = os.environ if environ is None else environ
+    return env.get(SOCKET_ENV) or DEFAULT_SOCKET

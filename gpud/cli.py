@@ -1,0 +1,193 @@
+"""`gpuctl`: the command line of gpud. Tables for people, --json for scripts.
+
+Finds the daemon like everything else does: --socket, else $GPUD_SOCKET, else
+/run/gpud/gpud.sock. Every error names the problem and exits non-zero
+(1: the daemon refused or is unreachable, 2: bad usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from gpud_client import protocol as p
+from gpud_client.connection import Connection
+from gpud_client.errors import GpudError
+
+
+def _connect(args: argparse.Namespace) -> Connection:
+    conn = Connection(args.socket)
+    conn.hello("gpuctl")
+    return conn
+
+
+def _gpu_ref(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _who(name: str, pid: int, session: int) -> str:
+    return f"{name or '?'}[{pid}]#{session}"
+
+
+def _drops(drops: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(drops.items())) or "-"
+
+
+def render_status(reply: p.StatusReply) -> str:
+    rows = []
+    for g in reply.gpus:
+        holder = ", ".join(
+            _who(h.name, h.pid, h.session) + f" {h.held_ms / 1000:.1f}s" + (f" (drop:{h.drop_pending})" if h.drop_pending else "")
+            for h in g.holders
+        )
+        queue = ", ".join(_who(w.name, w.pid, w.session) for w in g.queue)
+        rows.append(
+            [
+                str(g.index),
+                g.name + (" (sim)" if g.simulated and "Simulated" not in g.name else ""),
+                g.mode if g.scheduler_on else "off",
+                f"{g.tq_s:g}s",
+                holder or "-",
+                queue or "-",
+                str(g.clients),
+            ]
+        )
+    head = f"gpud {reply.version}, up {reply.uptime_s:.0f}s, {len(reply.gpus)} GPU(s)"
+    return head + "\n" + _table(rows, ["GPU", "NAME", "MODE", "TQ", "HOLDER", "QUEUE", "CLIENTS"])
+
+
+def render_clients(reply: p.ClientsReply) -> str:
+    rows = []
+    for c in reply.clients:
+        if not c.sessions:
+            rows.append([str(c.client_id), c.name or "?", str(c.pid), str(c.uid), "-", "-", "-", "-", "-", "-", "-"])
+        for s in c.sessions:
+            rows.append(
+                [
+                    str(c.client_id),
+                    c.name or "?",
+                    str(c.pid),
+                    str(c.uid),
+                    str(s.session),
+                    str(s.gpu),
+                    s.state,
+                    str(s.grants),
+                    f"{s.hold_ms / 1000:.2f}s",
+                    f"{s.wait_ms / 1000:.2f}s",
+                    _drops(s.drops) + (f" revoked={s.revocations}" if s.revocations else ""),
+                ]
+            )
+    header = ["CLIENT", "NAME", "PID", "UID", "SESSION", "GPU", "STATE", "GRANTS", "HELD", "WAITED", "DROPS"]
+    return _table(rows, header)
+
+
+def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str) -> None:
+    if args.json:
+        data = msgspec.to_builtins(obj)
+        data.pop("id", None)
+        data.pop("type", None)
+        print(json.dumps(data, indent=2))
+    else:
+        print(text)
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    with _connect(args) as conn:
+        reply = conn.call(p.Status(id=conn.next_id()))
+    _emit(args, reply, render_status(reply))
+
+
+def cmd_clients(args: argparse.Namespace) -> None:
+    with _connect(args) as conn:
+        reply = conn.call(p.ListClients(id=conn.next_id()))
+    _emit(args, reply, render_clients(reply))
+
+
+def _done(args: argparse.Namespace, what: str, **fields: Any) -> None:
+    if args.json:
+        print(json.dumps({"ok": True, **fields}))
+    else:
+        print(what)
+
+
+def cmd_tq(args: argparse.Namespace) -> None:
+    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
+    with _connect(args) as conn:
+        conn.call(p.SetTq(id=conn.next_id(), seconds=args.seconds, gpu=gpu))
+    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
+    _done(args, f"time quantum set to {args.seconds:g}s on {where}", tq_s=args.seconds, gpu=gpu)
+
+
+def cmd_sched(args: argparse.Namespace) -> None:
+    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
+    on = args.state == "on"
+    with _connect(args) as conn:
+        msg = p.SchedOn(id=conn.next_id(), gpu=gpu) if on else p.SchedOff(id=conn.next_id(), gpu=gpu)
+        conn.call(msg)
+    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
+    _done(args, f"scheduler {args.state} on {where}", scheduler_on=on, gpu=gpu)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0 and <= 86400, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: an option given before or after the command both count.
+    common.add_argument(
+        "--socket", default=argparse.SUPPRESS, help="gpud socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)"
+    )
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    ap = argparse.ArgumentParser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", parents=[common], help="per GPU: mode, TQ, holder, queue, clients").set_defaults(
+        func=cmd_status
+    )
+    sub.add_parser("clients", parents=[common], help="connected clients and their sessions").set_defaults(
+        func=cmd_clients
+    )
+    tq = sub.add_parser("tq", parents=[common], help="set the time quantum (admin)")
+    tq.add_argument("seconds", type=_positive_seconds)
+    tq.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    tq.set_defaults(func=cmd_tq)
+    sched = sub.add_parser("sched", parents=[common], help="turn the scheduler on or off (admin)")
+    sched.add_argument("state", choices=["on", "off"])
+    sched.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    sched.set_defaults(func=cmd_sched)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.socket = getattr(args, "socket", None)
+    args.json = getattr(args, "json", False)
+    try:
+        args.func(args)
+    except GpudError as exc:
+        print(f"gpuctl: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""GPU discovery: NVML when a driver answers, simulated GPUs otherwise.
+
+The NVML module is injected (``nvml=``) so tests can pass a stand-in; the
+daemon passes the real ``pynvml`` from nvidia-ml-py. A missing library or
+driver is not fatal: the daemon runs on simulated GPUs and says so.
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import structlog
+
+from gpud.core.gpus import parse_simulate
+
+log = structlog.get_logger("gpud.devices")
+DEFAULT_SIMULATION = "2x80GiB"
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    simulated: bool
+
+
+def simulated_gpus(spec: str) -> list[Gpu]:
+    count, memory = parse_simulate(spec)
+    gib = memory / 2**30
+    size = f"{gib:g}GiB" if gib >= 1 else f"{memory // 2**20}MiB"
+    return [
+        Gpu(
+            index=i,
+            # Stable across restarts, so clients and dashboards can key on it.
+            uuid="GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"gpud-simulated/{i}")),
+            name=f"Simulated GPU {size}",
+            memory_total_bytes=memory,
+            simulated=True,
+        )
+        for i in range(count)
+    ]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvml_gpus(nvml: Any) -> list[Gpu]:
+    """Read every device from an initialised-or-not NVML module."""
+    nvml.nvmlInit()
+    gpus = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        gpus.append(
+            Gpu(
+                index=i,
+                uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                name=_text(nvml.nvmlDeviceGetName(h)),
+                memory_total_bytes=int(mem.total),
+                simulated=False,
+            )
+        )
+    return gpus
+
+
+def _import_nvml() -> ModuleType | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def discover(simulate: str | None = None, *, nvml: Any = None) -> list[Gpu]:
+    """GPUs to schedule. ``simulate`` forces simulation; otherwise NVML, and
+    simulation with a warning when NVML is missing or sees no GPU."""
+    if simulate:
+        gpus = simulated_gpus(simulate)
+        log.info("gpus_simulated", count=len(gpus), memory_bytes=gpus[0].memory_total_bytes)
+        return gpus
+    module = nvml if nvml is not None else _import_nvml()
+    reason = "nvidia-ml-py is not installed"
+    if module is not None:
+        try:
+            gpus = nvml_gpus(module)
+        except Exception as exc:  # NVMLError and friends: no driver, no library
+            reason = f"NVML unavailable: {exc}"
+        else:
+            if gpus:
+                log.info("gpus_discovered", count=len(gpus), names=[g.name for g in gpus])
+                return gpus
+            reason = "NVML reports no GPU"
+    gpus = simulated_gpus(DEFAULT_SIMULATION)
+    log.warning("gpus_simulated_fallback", reason=reason, count=len(gpus), spec=DEFAULT_SIMULATION)
+    return gpus

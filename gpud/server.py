@@ -1,0 +1,376 @@
+"""The trio shell: listener, one task pair per connection, one timer per GPU.
+
+It only moves bytes, reads the clock and carries out what the per-GPU
+schedulers decide. A connection has a reader task (frames in, core calls,
+replies) and a writer task draining its outbox, so a push to a slow client
+never blocks anyone else: if its outbox fills up it is disconnected.
+
+Peer errors (broken frames, schema errors, refused calls) are answered with an
+Error; a broken frame also closes the connection. Any other exception in a
+connection is logged with its traceback and closes that connection only.
+A crash in a GPU timer task takes the daemon down (systemd restarts it): we
+never limp on with a scheduler in an unknown state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+
+from gpud.config import Config
+from gpud.core.gpus import GpuIdentity, resolve_gpu
+from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, Refused, Revoke, SchedulerConfig
+from gpud.devices import Gpu
+from gpud.views import clients_reply, status_reply
+from gpud_client import protocol as p
+
+log = structlog.get_logger("gpud.server")
+_PEERCRED = struct.Struct("3i")
+
+
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+@dataclass(eq=False)
+class Connection:
+    client_id: int
+    pid: int
+    uid: int
+    gid: int
+    outbox: trio.MemorySendChannel[bytes]
+    cancel: trio.CancelScope
+    connected_at: int
+    name: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    greeted: bool = False
+    sessions: dict[int, int] = field(default_factory=dict)  # session -> gpu index
+
+
+@dataclass(eq=False)
+class GpuSlot:
+    gpu: Gpu
+    scheduler: GpuScheduler
+    wake: trio.Event = field(default_factory=trio.Event)
+
+
+class Daemon:
+    """State shared by every connection: GPUs, schedulers, who owns what."""
+
+    def __init__(self, config: Config, gpus: list[Gpu]) -> None:
+        self.config = config
+        sched_cfg = SchedulerConfig(
+            tq_us=round(config.tq_s * 1e6), drop_timeout_us=round(config.drop_timeout_s * 1e6)
+        )
+        self.slots = [GpuSlot(g, GpuScheduler(sched_cfg)) for g in gpus]
+        self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
+        self.connections: dict[int, Connection] = {}
+        self.owners: dict[int, Connection] = {}  # session -> connection
+        self._client_ids = itertools.count(1)
+        self._session_ids = itertools.count(1)
+        self._codec = p.daemon_codec()
+        self.started_at = now_us()
+        self.daemon_uid = os.getuid()
+
+    # --- plumbing -----------------------------------------------------------
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._codec.encode(msg)
+
+    def send(self, conn: Connection, msg: msgspec.Struct) -> None:
+        try:
+            conn.outbox.send_nowait(self.encode(msg))
+        except trio.WouldBlock:
+            log.warning("client_too_slow", client=conn.client_id, pid=conn.pid)
+            conn.cancel.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # it is going away; its sessions are detached in its finally
+
+    def gpu_index(self, ref: int | str) -> int:
+        try:
+            return resolve_gpu(ref, self._identities)
+        except ValueError as exc:
+            raise Refused(p.ErrorCode.UNKNOWN_GPU, str(exc)) from None
+
+    def targets(self, ref: int | str | None) -> list[GpuSlot]:
+        return self.slots if ref is None else [self.slots[self.gpu_index(ref)]]
+
+    def carry_out(self, slot: GpuSlot, effects: list[Effect]) -> None:
+        """Execute the scheduler's decisions and re-arm its timer."""
+        gpu = slot.gpu.index
+        for e in effects:
+            owner = self.owners.get(e.session)
+            if owner is None:
+                continue
+            match e:
+                case Grant(session=sid, grant=g):
+                    log.debug("lock_granted", gpu=gpu, session=sid, grant=g, client=owner.client_id)
+                    self.send(owner, p.LockOk(session=sid, grant=g))
+                case Drop(session=sid, grant=g, reason=r):
+                    log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
+                    self.send(owner, p.DropLock(session=sid, grant=g, reason=r))
+                case Revoke(session=sid, grant=g, reason=r):
+                    log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
+                    self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
+        slot.wake.set()
+
+    def is_admin(self, conn: Connection) -> bool:
+        return conn.uid == 0 or conn.uid == self.daemon_uid
+
+    # --- connection lifetime --------------------------------------------------
+
+    def open(self, pid: int, uid: int, gid: int, outbox: trio.MemorySendChannel[bytes], cancel: trio.CancelScope) -> Connection:
+        conn = Connection(next(self._client_ids), pid, uid, gid, outbox, cancel, now_us())
+        self.connections[conn.client_id] = conn
+        return conn
+
+    def close(self, conn: Connection) -> None:
+        """Everything the connection held or queued is freed at once."""
+        self.connections.pop(conn.client_id, None)
+        now = now_us()
+        for sid, gpu in list(conn.sessions.items()):
+            slot = self.slots[gpu]
+            effects = slot.scheduler.detach(sid, now)
+            self.owners.pop(sid, None)
+            self.carry_out(slot, effects)
+        conn.sessions.clear()
+        if conn.greeted:
+            log.info("client_detached", client=conn.client_id, pid=conn.pid, name=conn.name)
+
+    # --- requests -----------------------------------------------------------
+
+    def handle(self, conn: Connection, msg: Any) -> msgspec.Struct | None:
+        """One decoded request -> its answer (or None). Raises Refused."""
+        if not conn.greeted:
+            if not isinstance(msg, p.Hello):
+                raise Refused(p.ErrorCode.HELLO_REQUIRED, f"send HELLO before {msg.__struct_config__.tag}")
+            return self.hello(conn, msg)
+        now = now_us()
+        match msg:
+            case p.Hello():
+                raise Refused(p.ErrorCode.INVALID, "HELLO was already received on this connection")
+            case p.LockRequest(session=sid):
+                self.lock_op(conn, sid, lambda s: s.request(sid, now))
+                return None
+            case p.LockReleased(session=sid, grant=g):
+                self.lock_op(conn, sid, lambda s: s.release(sid, now, grant=g))
+                return None
+            case p.Attach(gpu=ref, priority=prio):
+                slot = self.slots[self.gpu_index(ref)]
+                sid = next(self._session_ids)
+                effects = slot.scheduler.attach(sid, now, priority=prio)
+                conn.sessions[sid] = slot.gpu.index
+                self.owners[sid] = conn
+                self.carry_out(slot, effects)
+                log.info("session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index)
+                return p.Attached(id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled)
+            case p.Detach(session=sid):
+                slot = self.owned(conn, sid)
+                effects = slot.scheduler.detach(sid, now)
+                del conn.sessions[sid]
+                del self.owners[sid]
+                self.carry_out(slot, effects)
+                return p.Ok(id=msg.id)
+            case p.SchedOn() | p.SchedOff():
+                self.require_admin(conn, msg)
+                on = isinstance(msg, p.SchedOn)
+                for slot in self.targets(msg.gpu):
+                    self.carry_out(slot, slot.scheduler.set_enabled(on, now))
+                    log.info("scheduler_switched", gpu=slot.gpu.index, on=on, by_pid=conn.pid)
+                    for other in list(self.connections.values()):
+                        if other.greeted:
+                            self.send(other, p.SchedState(gpu=slot.gpu.index, on=on))
+                return p.Ok(id=msg.id)
+            case p.SetTq(seconds=seconds, gpu=ref):
+                self.require_admin(conn, msg)
+                slots = self.targets(ref)
+                for slot in slots:
+                    self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now))
+                log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
+                return p.Ok(id=msg.id)
+            case p.Status():
+                return status_reply(self, msg.id, now)
+            case p.ListClients():
+                return clients_reply(self, msg.id, now)
+        raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
+
+    def hello(self, conn: Connection, msg: p.Hello) -> p.Welcome:
+        if msg.version != p.PROTOCOL_VERSION:
+            raise Refused(
+                p.ErrorCode.VERSION,
+                f"protocol version {msg.version} is not supported (daemon speaks {p.PROTOCOL_VERSION})",
+            )
+        conn.greeted = True
+        conn.name = msg.name
+        conn.labels = dict(msg.labels)
+        log.info("client_attached", client=conn.client_id, pid=conn.pid, uid=conn.uid, name=conn.name)
+        gpus = [
+            p.GpuInfo(
+                index=s.gpu.index,
+                uuid=s.gpu.uuid,
+                name=s.gpu.name,
+                memory_total_bytes=s.gpu.memory_total_bytes,
+                simulated=s.gpu.simulated,
+                scheduler_on=s.scheduler.enabled,
+            )
+            for s in self.slots
+        ]
+        return p.Welcome(id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus)
+
+    def owned(self, conn: Connection, sid: int) -> GpuSlot:
+        gpu = conn.sessions.get(sid)
+        if gpu is None:
+            raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"session {sid} is not attached on this connection")
+        return self.slots[gpu]
+
+    def lock_op(self, conn: Connection, sid: int, op: Any) -> None:
+        slot = self.owned(conn, sid)
+        self.carry_out(slot, op(slot.scheduler))
+
+    def require_admin(self, conn: Connection, msg: msgspec.Struct) -> None:
+        if not self.is_admin(conn):
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"{msg.__struct_config__.tag} needs uid 0 or the daemon's uid (peer uid {conn.uid})",
+            )
+
+
+# --- I/O ----------------------------------------------------------------------
+
+
+def peer_credentials(sock: Any) -> tuple[int, int, int]:
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
+
+
+async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
+    pid, uid, gid = peer_credentials(stream.socket)
+    send, recv = trio.open_memory_channel[bytes](daemon.config.outbox_messages)
+    with trio.CancelScope() as scope:
+        conn = daemon.open(pid, uid, gid, send, scope)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_write_loop, stream, recv)
+                try:
+                    await _read_loop(daemon, conn, stream)
+                finally:
+                    daemon.close(conn)
+                    send.close()  # the writer flushes what is queued, then ends
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("connection_failed", client=conn.client_id, pid=pid)
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+async def _write_loop(stream: trio.SocketStream, recv: trio.MemoryReceiveChannel[bytes]) -> None:
+    async with recv:
+        async for data in recv:
+            chunks = [data]
+            while True:  # batch whatever else is already queued into one write
+                try:
+                    chunks.append(recv.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            await stream.send_all(b"".join(chunks) if len(chunks) > 1 else data)
+
+
+async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
+    codec = p.daemon_codec()
+    frames = p.FrameDecoder(daemon.config.max_frame_bytes)
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            return
+        try:
+            payloads = frames.feed(data)
+        except p.FrameTooLarge as exc:
+            daemon.send(conn, p.Error(id=None, code=p.ErrorCode.FRAME_TOO_LARGE, message=str(exc)))
+            log.info("protocol_error", client=conn.client_id, code="frame_too_large", length=exc.length)
+            return
+        for payload in payloads:
+            try:
+                msg = codec.decode(payload)
+            except msgspec.MsgspecError as exc:
+                rid, code, message = p.describe_bad_message(payload, exc)
+                daemon.send(conn, p.Error(id=rid, code=code, message=message))
+                log.info("protocol_error", client=conn.client_id, code=str(code), detail=message)
+                if code == p.ErrorCode.BAD_FRAME:
+                    return
+                continue
+            try:
+                answer = daemon.handle(conn, msg)
+            except Refused as exc:
+                daemon.send(conn, p.Error(id=msg.id, code=exc.code, message=exc.message))
+                if exc.code == p.ErrorCode.VERSION:
+                    return
+                continue
+            if answer is not None:
+                daemon.send(conn, answer)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Create the directory; remove a stale socket, refuse a live one."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)
+    else:
+        raise RuntimeError(f"another daemon is listening on {path}")
+    finally:
+        probe.close()
+
+
+async def open_listener(config: Config) -> trio.SocketListener:
+    path = config.socket
+    _claim_socket_path(path)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, config.socket_mode)
+    sock.listen(512)
+    return trio.SocketListener(sock)
+
+
+async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
+    """Sleep until the scheduler's next deadline or until something changed."""
+    while True:
+        slot.wake = trio.Event()
+        deadline = slot.scheduler.next_deadline()
+        if deadline is None:
+            await slot.wake.wait()
+        else:
+            delay = (deadline - now_us()) / 1e6
+            if delay > 0:
+                with trio.move_on_after(delay):
+                    await slot.wake.wait()
+        daemon.carry_out(slot, slot.scheduler.advance(now_us()))
+
+
+async def serve(
+    daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with trio.open_nursery() as nursery:
+        for slot in daemon.slots:
+            nursery.start_soon(run_timer, daemon, slot)
+
+        async def handler(stream: trio.SocketStream) -> None:
+            await serve_connection(daemon, stream)
+
+        await nursery.start(trio.serve_listeners, handler, [listener])
+        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots))
+        task_status.started()
