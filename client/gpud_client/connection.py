@@ -26,6 +26,7 @@ class Connection:
         self._codec = p.client_codec()
         self._frames = p.FrameDecoder()
         self._ready: list[bytes] = []
+        self._backlog: list[Any] = []  # messages call() read past, for recv()
         self._ids = itertools.count(1)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -51,16 +52,23 @@ class Connection:
 
     def recv(self, timeout: float | None = None) -> Any:
         """The next message from the daemon. Raises DaemonUnavailable on EOF."""
+        if self._backlog:
+            return self._backlog.pop(0)
+        return self._recv(timeout)
+
+    def _recv(self, timeout: float | None) -> Any:
         while not self._ready:
-            self.sock.settimeout(timeout)
             try:
+                if timeout is not None:
+                    self.sock.settimeout(timeout)
                 data = self.sock.recv(65536)
+                if timeout is not None:
+                    self.sock.settimeout(None)
             except socket.timeout:
+                self.sock.settimeout(None)
                 raise TimeoutError(f"no message from gpud within {timeout} s") from None
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
-            finally:
-                self.sock.settimeout(None)
             if not data:
                 raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
             try:
@@ -74,14 +82,14 @@ class Connection:
             raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
 
     def call(self, msg: msgspec.Struct, timeout: float | None = 10.0) -> Any:
-        """Send a request and wait for its answer, skipping pushes.
-
-        Only for a connection nobody else reads (set-up, tools)."""
+        """Send a request and wait for its answer. Messages that arrive first
+        are kept for ``recv``. Only for a connection no other thread reads."""
         self.send(msg)
         rid = getattr(msg, "id")
         while True:
-            reply = self.recv(timeout)
+            reply = self._recv(timeout)
             if getattr(reply, "id", None) != rid:
+                self._backlog.append(reply)
                 continue
             if isinstance(reply, p.Error):
                 raise ProtocolError(reply.code, reply.message)

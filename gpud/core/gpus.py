@@ -58,7 +58,10 @@ def parse_simulate(spec: str) -> tuple[int, int]:
     count = int(m.group(1))
     if not 1 <= count <= MAX_GPUS:
         raise ValueError(f"bad --simulate value {spec!r}: GPU count must be 1..{MAX_GPUS}")
-    memory = parse_bytes(m.group(2)) if m.group(2) else DEFAULT_SIMULATED_MEMORY
+    try:
+        memory = parse_bytes(m.group(2)) if m.group(2) else DEFAULT_SIMULATED_MEMORY
+    except ValueError as exc:
+        raise ValueError(f"bad --simulate value {spec!r}: {exc}") from None
     if memory <= 0:
         raise ValueError(f"bad --simulate value {spec!r}: memory must be positive")
     return count, memory
