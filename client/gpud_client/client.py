@@ -175,7 +175,7 @@ class Client:
         pend = _Pending()
         with self._cond:
             rid = conn.next_id()
-            msg = msgspec.structs.replace(msg, id=rid)  # type: ignore[type-var]
+            msg = msgspec.structs.replace(msg, id=rid)
             self._pending[rid] = pend
         try:
             self._send(conn, msg)

@@ -82,14 +82,14 @@ class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_f
 # --- client -> daemon -------------------------------------------------------
 
 
-class Hello(_Msg, tag="HELLO"):
+class Hello(_Msg, tag="HELLO", frozen=True):
     id: RequestId
     version: int
     name: Name = ""
     labels: Annotated[dict[Name, Name], Meta(max_length=32)] = {}
 
 
-class Attach(_Msg, tag="ATTACH"):
+class Attach(_Msg, tag="ATTACH", frozen=True):
     """Open a session on one GPU; answered by ATTACHED."""
 
     id: RequestId
@@ -97,12 +97,12 @@ class Attach(_Msg, tag="ATTACH"):
     priority: Priority = 0
 
 
-class Detach(_Msg, tag="DETACH"):
+class Detach(_Msg, tag="DETACH", frozen=True):
     id: RequestId
     session: SessionId
 
 
-class LockRequest(_Msg, tag="LOCK_REQUEST"):
+class LockRequest(_Msg, tag="LOCK_REQUEST", frozen=True):
     """Ask for the session's GPU lock. Answered only by an ERROR on refusal;
     the grant arrives later as a LOCK_OK push."""
 
@@ -110,7 +110,7 @@ class LockRequest(_Msg, tag="LOCK_REQUEST"):
     session: SessionId
 
 
-class LockReleased(_Msg, tag="LOCK_RELEASED"):
+class LockReleased(_Msg, tag="LOCK_RELEASED", frozen=True):
     """Give the lock back. ``grant`` (optional) guards against releasing a
     later grant with a stale message. Answered only by an ERROR on refusal."""
 
@@ -119,27 +119,27 @@ class LockReleased(_Msg, tag="LOCK_RELEASED"):
     grant: GrantNo | None = None
 
 
-class SchedOn(_Msg, tag="SCHED_ON"):
+class SchedOn(_Msg, tag="SCHED_ON", frozen=True):
     id: RequestId
     gpu: GpuRef | None = None  # None: every GPU
 
 
-class SchedOff(_Msg, tag="SCHED_OFF"):
+class SchedOff(_Msg, tag="SCHED_OFF", frozen=True):
     id: RequestId
     gpu: GpuRef | None = None
 
 
-class SetTq(_Msg, tag="SET_TQ"):
+class SetTq(_Msg, tag="SET_TQ", frozen=True):
     id: RequestId
     seconds: Seconds
     gpu: GpuRef | None = None
 
 
-class Status(_Msg, tag="STATUS"):
+class Status(_Msg, tag="STATUS", frozen=True):
     id: RequestId
 
 
-class ListClients(_Msg, tag="CLIENTS"):
+class ListClients(_Msg, tag="CLIENTS", frozen=True):
     id: RequestId
 
 
@@ -160,48 +160,48 @@ class GpuInfo(Struct, frozen=True, kw_only=True):
     scheduler_on: bool
 
 
-class Welcome(_Msg, tag="WELCOME"):
+class Welcome(_Msg, tag="WELCOME", frozen=True):
     id: RequestId
     client_id: int
     version: int
     gpus: list[GpuInfo]
 
 
-class Attached(_Msg, tag="ATTACHED"):
+class Attached(_Msg, tag="ATTACHED", frozen=True):
     id: RequestId
     session: SessionId
     gpu: int
     scheduler_on: bool
 
 
-class Ok(_Msg, tag="OK"):
+class Ok(_Msg, tag="OK", frozen=True):
     id: RequestId
 
 
-class Error(_Msg, tag="ERROR"):
+class Error(_Msg, tag="ERROR", frozen=True):
     id: RequestId | None
     code: ErrorCode
     message: str
 
 
-class LockOk(_Msg, tag="LOCK_OK"):
+class LockOk(_Msg, tag="LOCK_OK", frozen=True):
     session: SessionId
     grant: GrantNo
 
 
-class DropLock(_Msg, tag="DROP_LOCK"):
+class DropLock(_Msg, tag="DROP_LOCK", frozen=True):
     session: SessionId
     grant: GrantNo
     reason: DropReason
 
 
-class Revoked(_Msg, tag="REVOKED"):
+class Revoked(_Msg, tag="REVOKED", frozen=True):
     session: SessionId
     grant: GrantNo
     reason: RevokeReason
 
 
-class SchedState(_Msg, tag="SCHED_STATE"):
+class SchedState(_Msg, tag="SCHED_STATE", frozen=True):
     gpu: int
     on: bool
 
@@ -242,7 +242,7 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     revocations: int
 
 
-class StatusReply(_Msg, tag="STATUS_REPLY"):
+class StatusReply(_Msg, tag="STATUS_REPLY", frozen=True):
     id: RequestId
     version: str
     uptime_s: float
@@ -272,7 +272,7 @@ class ClientInfo(Struct, frozen=True, kw_only=True):
     sessions: list[SessionInfo]
 
 
-class ClientsReply(_Msg, tag="CLIENTS_REPLY"):
+class ClientsReply(_Msg, tag="CLIENTS_REPLY", frozen=True):
     id: RequestId
     clients: list[ClientInfo]
 
