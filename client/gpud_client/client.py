@@ -93,11 +93,15 @@ class Session:
                 self.client._exit_slice(self)
 
     def acquire(self) -> None:
-        """Take the lock and keep it until ``release`` (no slice bookkeeping)."""
-        self.client._acquire(self)
+        """Take the lock and keep it until ``release``: an open-ended slice.
+
+        Neither idle release nor a DROP_LOCK takes it away meanwhile (a drop is
+        reported to ``on_drop``); ignoring drops past the daemon's drop timeout
+        gets the lock revoked."""
+        self.client._enter_slice(self)
 
     def release(self) -> None:
-        """Give the lock back now, if held."""
+        """End an ``acquire`` (or give back a lock kept between slices) now."""
         self.client._release(self)
 
     def close(self) -> None:
@@ -230,7 +234,7 @@ class Client:
             if s.closed:
                 raise GpudError("this session is closed")
             if s.in_slice:
-                raise GpudError("slices of one session do not nest")
+                raise GpudError("slices of one session do not nest (an acquire() counts as one)")
         if not self._acquire(s):
             return False
         with self._cond:
@@ -240,6 +244,8 @@ class Client:
     def _exit_slice(self, s: Session) -> None:
         with self._cond:
             s.in_slice = False
+            if s.closed:
+                return
             s.last_used = time.monotonic()
             release = s.state == "holding" and s.drop_pending is not None
             if not release:
@@ -284,6 +290,7 @@ class Client:
 
     def _release(self, s: Session) -> None:
         with self._cond:
+            s.in_slice = False
             if s.state != "holding":
                 return
             s.state = "releasing"
@@ -314,7 +321,8 @@ class Client:
             if s.closed:
                 return
             s.closed = True
-            sid = s.id
+            sid, s.id = s.id, 0
+            s.state, s.drop_pending = "idle", None
             self._sessions.pop(sid, None)
             if s in self._all:
                 self._all.remove(s)
@@ -387,8 +395,8 @@ class Client:
                     s.drops += 1
                     s.drop_pending = reason
                     if s.on_drop is not None:
-                        self._call_hook(s.on_drop, reason)
-                    if not s.in_slice:
+                        self._call_hook(s.on_drop, reason)  # it may release() itself
+                    if s.state == "holding" and not s.in_slice:
                         s.state = "releasing"
                         threading.Thread(target=self._give_back, args=(s,), daemon=True).start()
                 case p.Revoked(session=sid, grant=g, reason=reason):

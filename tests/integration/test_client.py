@@ -12,7 +12,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import Client, DaemonUnavailable, ErrorCode, GpudError, ProtocolError
 from gpud_client import protocol as p
 
-from .wire import attach, connect, expect, gpu_status, request
+from .wire import attach, connect, expect, gpu_status, nothing_arrives, request
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -160,3 +160,45 @@ def test_slices_do_not_nest_and_closed_sessions_refuse(daemon: DaemonProcess) ->
             with s.slice():
                 pass
         wait_for(lambda: gpu_status(connect(daemon)).holders == [])
+
+
+def test_acquire_keeps_the_lock_until_release(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket, name="pinned") as c:
+        s = c.session(0, idle_release=0.1)
+        s.acquire()
+        time.sleep(0.4)  # well past idle_release
+        assert s.holding
+        assert [h.name for h in gpu_status(connect(daemon)).holders] == ["pinned"]
+        s.release()
+        assert not s.holding
+        wait_for(lambda: gpu_status(connect(daemon)).holders == [])
+
+
+def test_on_drop_may_release_itself_without_a_double_release(
+    daemon_factory: Callable[..., DaemonProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    d = daemon_factory("--simulate", "1", "--tq", "0.1")
+    syncs: list[int] = []
+    with Client(d.socket) as c:
+        s = c.session(0, idle_release=None, synchronize=lambda: syncs.append(1))
+        s.on_drop = lambda reason: s.release()
+        with s.slice():
+            pass
+        other = connect(d)
+        so = attach(other)
+        request(other, so)
+        expect(other, p.LockOk, timeout=2)
+        time.sleep(0.2)
+        assert syncs == [1] and s.state == "idle"
+        assert nothing_arrives(other)
+        assert not [r for r in caplog.records if "not_holder" in r.getMessage()]
+
+
+def test_closing_a_held_session_frees_the_lock(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket) as c:
+        s = c.session(0, idle_release=None)
+        with s.slice():
+            s.close()
+            assert not s.holding
+        wait_for(lambda: gpu_status(connect(daemon)).holders == [])
+        assert gpu_status(connect(daemon)).clients == 0
