@@ -5,6 +5,11 @@ schedulers decide. A connection has a reader task (frames in, core calls,
 replies) and a writer task draining its outbox, so a push to a slow client
 never blocks anyone else: if its outbox fills up it is disconnected.
 
+A message for an idle connection (nothing queued, the writer not mid-write)
+is written straight to its non-blocking socket from the task that decided it:
+a grant reaches the next holder without a trip through the scheduler to the
+writer task. Whatever the kernel does not take goes to the outbox, in order.
+
 Peer errors (broken frames, schema errors, refused calls) are answered with an
 Error; a broken frame also closes the connection. Any other exception in a
 connection is logged with its traceback and closes that connection only.
@@ -47,9 +52,12 @@ class Connection:
     pid: int
     uid: int
     gid: int
+    fd: int
     outbox: trio.MemorySendChannel[bytes]
     cancel: trio.CancelScope
     connected_at: int
+    writing: bool = False  # the writer task holds bytes not yet on the socket
+    closing: bool = False
     name: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     greeted: bool = False
@@ -61,6 +69,7 @@ class GpuSlot:
     gpu: Gpu
     scheduler: GpuScheduler
     wake: trio.Event = field(default_factory=trio.Event)
+    armed_for: int | None = None  # the deadline the timer task sleeps toward
 
 
 class Daemon:
@@ -87,8 +96,22 @@ class Daemon:
         return self._codec.encode(msg)
 
     def send(self, conn: Connection, msg: msgspec.Struct) -> None:
+        data = self.encode(msg)
+        if conn.closing:
+            return
+        if not conn.writing and conn.outbox.statistics().current_buffer_used == 0:
+            try:
+                sent = os.write(conn.fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # the peer is gone; its reader sees EOF and cleans up
+                conn.closing = True
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
         try:
-            conn.outbox.send_nowait(self.encode(msg))
+            conn.outbox.send_nowait(data)
         except trio.WouldBlock:
             log.warning("client_too_slow", client=conn.client_id, pid=conn.pid)
             conn.cancel.cancel()
@@ -121,20 +144,25 @@ class Daemon:
                 case Revoke(session=sid, grant=g, reason=r):
                     log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
                     self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
-        slot.wake.set()
+        if slot.scheduler.next_deadline() != slot.armed_for:
+            slot.wake.set()
 
     def is_admin(self, conn: Connection) -> bool:
         return conn.uid == 0 or conn.uid == self.daemon_uid
 
     # --- connection lifetime --------------------------------------------------
 
-    def open(self, pid: int, uid: int, gid: int, outbox: trio.MemorySendChannel[bytes], cancel: trio.CancelScope) -> Connection:
-        conn = Connection(next(self._client_ids), pid, uid, gid, outbox, cancel, now_us())
+    def open(
+        self, creds: tuple[int, int, int], fd: int, outbox: trio.MemorySendChannel[bytes], cancel: trio.CancelScope
+    ) -> Connection:
+        pid, uid, gid = creds
+        conn = Connection(next(self._client_ids), pid, uid, gid, fd, outbox, cancel, now_us())
         self.connections[conn.client_id] = conn
         return conn
 
     def close(self, conn: Connection) -> None:
         """Everything the connection held or queued is freed at once."""
+        conn.closing = True
         self.connections.pop(conn.client_id, None)
         now = now_us()
         for sid, gpu in list(conn.sessions.items()):
@@ -253,13 +281,13 @@ def peer_credentials(sock: Any) -> tuple[int, int, int]:
 
 
 async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
-    pid, uid, gid = peer_credentials(stream.socket)
+    creds = peer_credentials(stream.socket)
     send, recv = trio.open_memory_channel[bytes](daemon.config.outbox_messages)
     with trio.CancelScope() as scope:
-        conn = daemon.open(pid, uid, gid, send, scope)
+        conn = daemon.open(creds, stream.socket.fileno(), send, scope)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_write_loop, stream, recv)
+                nursery.start_soon(_write_loop, conn, stream, recv)
                 try:
                     await _read_loop(daemon, conn, stream)
                 finally:
@@ -268,13 +296,13 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
-            log.exception("connection_failed", client=conn.client_id, pid=pid)
+            log.exception("connection_failed", client=conn.client_id, pid=conn.pid)
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
 
-async def _write_loop(stream: trio.SocketStream, recv: trio.MemoryReceiveChannel[bytes]) -> None:
+async def _write_loop(conn: Connection, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel[bytes]) -> None:
     async with recv:
         async for data in recv:
             chunks = [data]
@@ -283,7 +311,9 @@ async def _write_loop(stream: trio.SocketStream, recv: trio.MemoryReceiveChannel
                     chunks.append(recv.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+            conn.writing = True
             await stream.send_all(b"".join(chunks) if len(chunks) > 1 else data)
+            conn.writing = False
 
 
 async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
@@ -350,7 +380,7 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
     """Sleep until the scheduler's next deadline or until something changed."""
     while True:
         slot.wake = trio.Event()
-        deadline = slot.scheduler.next_deadline()
+        deadline = slot.armed_for = slot.scheduler.next_deadline()
         if deadline is None:
             await slot.wake.wait()
         else:

@@ -37,6 +37,7 @@ class Connection:
             hint = "" if os.path.exists(self.path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
             raise DaemonUnavailable(f"cannot connect to gpud at {self.path}: {exc.strerror or exc}{hint}") from None
         self.sock.settimeout(None)
+        self._timeout: float | None = None
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -59,13 +60,11 @@ class Connection:
     def _recv(self, timeout: float | None) -> Any:
         while not self._ready:
             try:
-                if timeout is not None:
+                if timeout != self._timeout:  # one syscall saved per read
                     self.sock.settimeout(timeout)
+                    self._timeout = timeout
                 data = self.sock.recv(65536)
-                if timeout is not None:
-                    self.sock.settimeout(None)
             except socket.timeout:
-                self.sock.settimeout(None)
                 raise TimeoutError(f"no message from gpud within {timeout} s") from None
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
