@@ -21,33 +21,37 @@ from gpud_client.protocol import SOCKET_ENV, resolve_socket_path
 log = structlog.get_logger("gpud")
 
 
+# (flag, Config field, type, metavar, help); a flag left out keeps the default.
+_OPTIONS: list[tuple[str, str, type, str, str]] = [
+    ("--simulate", "simulate", str, "N[xSIZE]", "run on N simulated GPUs, e.g. 2 or 2x80GiB"),
+    ("--tq", "tq_s", float, "SECONDS", "time quantum (default 30)"),
+    ("--drop-timeout", "drop_timeout_s", float, "SECONDS", "revoke a holder ignoring DROP_LOCK this long (10)"),
+    ("--mode", "mode", str, "MODE", "serial, concurrent or auto (default auto)"),
+    ("--memory-reserve", "memory_reserve_percent", int, "PERCENT", "GPU memory kept free by admission (10)"),
+    ("--window", "compute_window_s", float, "SECONDS", "compute-limit window (default 2)"),
+    ("--sample-interval", "quota_sample_interval_s", float, "SECONDS", "longest timer sleep while limited (0.05)"),
+    ("--carryover", "quota_carryover_percent", int, "PERCENT", "overshoot carried into the next window (100)"),
+    ("--drop-tail", "drop_tail_billing_percent", int, "PERCENT", "billing rate between DROP_LOCK and release (100)"),
+    ("--share-windows", "share_windows", int, "N", "windows in the recent-share figure (10)"),
+    ("--log-level", "log_level", str, "LEVEL", "debug, info, warning or error (default info)"),
+    ("--log-format", "log_format", str, "FORMAT", "auto, json or console (default auto)"),
+]
+
+
 def parse_args(argv: list[str] | None) -> Config:
     ap = argparse.ArgumentParser(prog="gpud", description="Share this node's GPUs among processes.")
     ap.add_argument("--socket", help=f"Unix socket path (default: ${SOCKET_ENV} or /run/gpud/gpud.sock)")
-    ap.add_argument("--simulate", metavar="N[xSIZE]", help="run on N simulated GPUs, e.g. 2 or 2x80GiB")
-    ap.add_argument("--tq", type=float, default=30.0, metavar="SECONDS", help="time quantum (default 30)")
-    ap.add_argument(
-        "--drop-timeout", type=float, default=10.0, metavar="SECONDS",
-        help="revoke a holder that ignores DROP_LOCK this long (default 10)",
-    )
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    ap.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    for flag, key, kind, metavar, text in _OPTIONS:
+        ap.add_argument(flag, dest=key, type=kind, metavar=metavar, help=text)
     ap.add_argument("--version", action="version", version=f"gpud {__version__}")
     args = ap.parse_args(argv)
+    values = {key: getattr(args, key) for _, key, *_ in _OPTIONS if getattr(args, key) is not None}
+    values["socket"] = resolve_socket_path(args.socket)
     try:
-        return msgspec.convert(
-            {
-                "socket": resolve_socket_path(args.socket),
-                "simulate": args.simulate,
-                "tq_s": args.tq,
-                "drop_timeout_s": args.drop_timeout,
-                "log_level": args.log_level,
-                "log_format": args.log_format,
-            },
-            Config,
-        )
+        return msgspec.convert(values, Config)
     except msgspec.ValidationError as exc:
-        ap.error(f"bad option: {exc}")
+        flag = next((f for f, key, *_ in _OPTIONS if f"$.{key}" in str(exc)), None)
+        ap.error(f"bad value for {flag}: {exc}" if flag else f"bad option: {exc}")
         raise  # unreachable: ap.error exits
 
 

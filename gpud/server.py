@@ -33,7 +33,8 @@ import trio
 
 from gpud.config import Config
 from gpud.core.gpus import GpuIdentity, resolve_gpu
-from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, Refused, Revoke, SchedulerConfig
+from gpud.core.quota import QuotaConfig
+from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
 from gpud.devices import Gpu
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
@@ -77,17 +78,14 @@ class Daemon:
 
     def __init__(self, config: Config, gpus: list[Gpu]) -> None:
         self.config = config
-        sched_cfg = SchedulerConfig(
-            tq_us=round(config.tq_s * 1e6), drop_timeout_us=round(config.drop_timeout_s * 1e6)
-        )
-        self.slots = [GpuSlot(g, GpuScheduler(sched_cfg)) for g in gpus]
+        self.started_at = now_us()
+        self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
         self.connections: dict[int, Connection] = {}
         self.owners: dict[int, Connection] = {}  # session -> connection
         self._client_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
-        self.started_at = now_us()
         self.daemon_uid = os.getuid()
 
     # --- plumbing -----------------------------------------------------------
@@ -144,6 +142,10 @@ class Daemon:
                 case Revoke(session=sid, grant=g, reason=r):
                     log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
                     self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
+                case MemOverLimit(session=sid, used_bytes=used, limit_bytes=limit):
+                    log.warning("memory_limit_exceeded", gpu=gpu, session=sid, pid=owner.pid, used_bytes=used,
+                                limit_bytes=limit)
+                    self.send(owner, p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit))
         if slot.scheduler.next_deadline() != slot.armed_for:
             slot.wake.set()
 
@@ -192,15 +194,20 @@ class Daemon:
             case p.LockReleased(session=sid, grant=g):
                 self.lock_op(conn, sid, lambda s: s.release(sid, now, grant=g))
                 return None
-            case p.Attach(gpu=ref, priority=prio):
-                slot = self.slots[self.gpu_index(ref)]
-                sid = next(self._session_ids)
-                effects = slot.scheduler.attach(sid, now, priority=prio)
-                conn.sessions[sid] = slot.gpu.index
-                self.owners[sid] = conn
-                self.carry_out(slot, effects)
-                log.info("session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index)
-                return p.Attached(id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled)
+            case p.MemUpdate(session=sid, used_bytes=used):
+                self.lock_op(conn, sid, lambda s: s.report_memory(sid, used, now))
+                return None
+            case p.Attach():
+                return self.attach(conn, msg, now)
+            case p.SetLimits():
+                return self.set_limits(conn, msg, now)
+            case p.SetMode(mode=mode, gpu=ref):
+                self.require_admin(conn, msg)
+                slots = self.targets(ref)
+                for slot in slots:
+                    self.carry_out(slot, slot.scheduler.set_mode(mode, now))
+                log.info("mode_set", gpus=[s.gpu.index for s in slots], mode=str(mode), by_pid=conn.pid)
+                return p.Ok(id=msg.id)
             case p.Detach(session=sid):
                 slot = self.owned(conn, sid)
                 effects = slot.scheduler.detach(sid, now)
@@ -226,10 +233,75 @@ class Daemon:
                 log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
                 return p.Ok(id=msg.id)
             case p.Status():
+                self.settle_all(now)
                 return status_reply(self, msg.id, now)
             case p.ListClients():
+                self.settle_all(now)
                 return clients_reply(self, msg.id, now)
         raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
+
+    def settle_all(self, now: int) -> None:
+        """Bring every account up to ``now`` before reporting figures."""
+        for slot in self.slots:
+            self.carry_out(slot, slot.scheduler.advance(now))
+
+    def attach(self, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
+        slot = self.slots[self.gpu_index(msg.gpu)]
+        sid = next(self._session_ids)
+        effects = slot.scheduler.attach(
+            sid, now, priority=msg.priority, core_limit=msg.core_limit,
+            mem_estimate=msg.mem_estimate, mem_limit=msg.mem_limit,
+        )
+        conn.sessions[sid] = slot.gpu.index
+        self.owners[sid] = conn
+        self.carry_out(slot, effects)
+        log.info(
+            "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index,
+            core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, priority=msg.priority,
+        )
+        return p.Attached(
+            id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled,
+            core_limit=msg.core_limit, mem_limit=msg.mem_limit, memory_total_bytes=slot.gpu.memory_total_bytes,
+        )
+
+    def find_client(self, ref: int | str) -> Connection:
+        if isinstance(ref, int):
+            found = [c for c in self.connections.values() if c.client_id == ref and c.greeted]
+        else:
+            found = [c for c in self.connections.values() if c.name == ref and c.greeted]
+        if not found:
+            raise Refused(p.ErrorCode.UNKNOWN_CLIENT, f"no client {ref!r} is connected (see gpuctl clients)")
+        if len(found) > 1:
+            ids = ", ".join(str(c.client_id) for c in found)
+            raise Refused(p.ErrorCode.INVALID, f"{len(found)} clients are named {ref!r}: use a client id ({ids})")
+        return found[0]
+
+    def set_limits(self, conn: Connection, msg: p.SetLimits, now: int) -> p.LimitsSet:
+        if msg.core_limit is None and msg.mem_limit is None:
+            raise Refused(p.ErrorCode.INVALID, "nothing to change: give core_limit and/or mem_limit")
+        target = conn if msg.client is None else self.find_client(msg.client)
+        if target is not conn and not self.is_admin(conn):
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"changing another client's limits needs uid 0 or the daemon's uid (peer uid {conn.uid})",
+            )
+        gpu = None if msg.gpu is None else self.gpu_index(msg.gpu)
+        chosen = [
+            (sid, g) for sid, g in target.sessions.items()
+            if (gpu is None or g == gpu) and (msg.session is None or sid == msg.session)
+        ]
+        if not chosen:
+            raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
+        for sid, g in chosen:  # ranges were checked by the decoder: nothing below can refuse
+            slot = self.slots[g]
+            self.carry_out(slot, slot.scheduler.set_limits(sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit))
+            v = slot.scheduler.session(sid, now)
+            self.send(target, p.LimitsChanged(session=sid, core_limit=v.core_limit, mem_limit=v.mem_limit))
+        log.info(
+            "limits_set", client=target.client_id, sessions=[sid for sid, _ in chosen],
+            core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, by_pid=conn.pid,
+        )
+        return p.LimitsSet(id=msg.id, sessions=[sid for sid, _ in chosen])
 
     def hello(self, conn: Connection, msg: p.Hello) -> p.Welcome:
         if msg.version != p.PROTOCOL_VERSION:
@@ -270,6 +342,23 @@ class Daemon:
                 p.ErrorCode.PERMISSION_DENIED,
                 f"{msg.__struct_config__.tag} needs uid 0 or the daemon's uid (peer uid {conn.uid})",
             )
+
+
+def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
+    return SchedulerConfig(
+        tq_us=round(config.tq_s * 1e6),
+        drop_timeout_us=round(config.drop_timeout_s * 1e6),
+        mode=config.mode,
+        memory_total_bytes=gpu.memory_total_bytes,
+        memory_reserve_percent=config.memory_reserve_percent,
+        quota=QuotaConfig(
+            window_us=round(config.compute_window_s * 1e6),
+            carryover_percent=config.quota_carryover_percent,
+            drop_tail_billing_percent=config.drop_tail_billing_percent,
+            sample_interval_us=round(config.quota_sample_interval_s * 1e6),
+            share_windows=config.share_windows,
+        ),
+    )
 
 
 # --- I/O ----------------------------------------------------------------------

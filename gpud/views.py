@@ -34,6 +34,7 @@ def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
                 grant=h.grant,
                 held_ms=_ms(h.held_us),
                 drop_pending=h.drop_pending,
+                core_limit=slot.scheduler.session(h.session, now).core_limit,
             )
             for h in view.holders
         ]
@@ -45,6 +46,7 @@ def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
                 pid=who(w.session)[2],
                 priority=w.priority,
                 waited_ms=_ms(w.waited_us),
+                throttled=w.throttled,
             )
             for w in view.queue
         ]
@@ -56,9 +58,12 @@ def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
                 name=slot.gpu.name,
                 memory_total_bytes=slot.gpu.memory_total_bytes,
                 simulated=slot.gpu.simulated,
-                mode="serial",
+                mode=view.mode,
                 scheduler_on=view.enabled,
                 tq_s=view.tq_us / 1e6,
+                window_s=view.window_us / 1e6,
+                memory_capacity_bytes=view.memory_capacity_bytes,
+                memory_in_use_bytes=view.memory_in_use_bytes,
                 holders=holders,
                 queue=queue,
                 clients=len(clients),
@@ -77,7 +82,8 @@ def clients_reply(daemon: Daemon, rid: int, now: int) -> p.ClientsReply:
             continue
         sessions = []
         for sid, gpu in conn.sessions.items():
-            v = daemon.slots[gpu].scheduler.session(sid, now)
+            sched = daemon.slots[gpu].scheduler
+            v = sched.session(sid, now)
             sessions.append(
                 p.SessionInfo(
                     session=sid,
@@ -89,6 +95,17 @@ def clients_reply(daemon: Daemon, rid: int, now: int) -> p.ClientsReply:
                     wait_ms=_ms(v.wait_us),
                     drops=v.drops,
                     revocations=v.revocations,
+                    core_limit=v.core_limit,
+                    budget_ms=None if v.budget_us is None else _ms(v.budget_us),
+                    window_used_ms=_ms(v.used_us),
+                    window_share_percent=round(100 * v.used_us / sched.accounts.cfg.window_us, 3),
+                    recent_share_percent=round(v.recent_share_percent, 3),
+                    throttled=v.throttled,
+                    throttles=v.throttles,
+                    mem_estimate_bytes=v.mem_estimate,
+                    mem_used_bytes=v.mem_used,
+                    mem_limit_bytes=v.mem_limit,
+                    mem_violations=v.mem_violations,
                 )
             )
         out.append(

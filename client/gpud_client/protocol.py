@@ -39,6 +39,9 @@ Name = Annotated[str, Meta(max_length=128)]
 # A GPU is named by its index, "gpu:N", or its UUID.
 GpuRef = Union[Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_length=1, max_length=96)]]
 Seconds = Annotated[float, Meta(gt=0, le=86400)]
+CoreLimit = Annotated[int, Meta(ge=1, le=100)]  # percent of GPU time; 100 = unlimited
+Bytes = Annotated[int, Meta(ge=0, le=2**62)]
+ClientRef = Union[Annotated[int, Meta(ge=1)], Annotated[str, Meta(min_length=1, max_length=128)]]
 
 
 class ErrorCode(enum.StrEnum):
@@ -52,6 +55,7 @@ class ErrorCode(enum.StrEnum):
     VERSION = "version"  # protocol versions do not match
     UNKNOWN_GPU = "unknown_gpu"
     UNKNOWN_SESSION = "unknown_session"
+    UNKNOWN_CLIENT = "unknown_client"
     NOT_HOLDER = "not_holder"  # LOCK_RELEASED for a lock the session does not hold
     STALE_GRANT = "stale_grant"  # LOCK_RELEASED naming an earlier grant
     ALREADY_REQUESTED = "already_requested"  # LOCK_REQUEST while waiting or holding
@@ -75,6 +79,14 @@ class RevokeReason(enum.StrEnum):
     DROP_TIMEOUT = "drop_timeout"  # DROP_LOCK ignored past drop_timeout
 
 
+class Mode(enum.StrEnum):
+    """How a GPU admits holders."""
+
+    SERIAL = "serial"  # one holder at a time (nvshare's anti-thrashing mode)
+    CONCURRENT = "concurrent"  # holders whose memory fits together
+    AUTO = "auto"  # concurrent while memory fits; drops sessions on overflow
+
+
 class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
     pass
 
@@ -95,6 +107,9 @@ class Attach(_Msg, tag="ATTACH", frozen=True):
     id: RequestId
     gpu: GpuRef
     priority: Priority = 0
+    core_limit: CoreLimit = 100
+    mem_limit: Bytes | None = None  # use above it is reported back (MEM_LIMIT_EXCEEDED)
+    mem_estimate: Bytes | None = None  # for admission; None with no report: the whole GPU
 
 
 class Detach(_Msg, tag="DETACH", frozen=True):
@@ -117,6 +132,34 @@ class LockReleased(_Msg, tag="LOCK_RELEASED", frozen=True):
     id: RequestId
     session: SessionId
     grant: GrantNo | None = None
+
+
+class MemUpdate(_Msg, tag="MEM_UPDATE", frozen=True):
+    """The session's GPU memory use as the framework or NVML sees it.
+    Answered only by an ERROR on refusal."""
+
+    id: RequestId
+    session: SessionId
+    used_bytes: Bytes
+
+
+class SetLimits(_Msg, tag="SET_LIMITS", frozen=True):
+    """Change core/memory limits of a client's sessions (all, or one GPU's, or
+    one session). ``client`` None: the sender's own. Another client's needs
+    admin rights. Answered by LIMITS_SET. A mem_limit of 0 lifts the limit."""
+
+    id: RequestId
+    client: ClientRef | None = None
+    gpu: GpuRef | None = None
+    session: SessionId | None = None
+    core_limit: CoreLimit | None = None
+    mem_limit: Bytes | None = None
+
+
+class SetMode(_Msg, tag="SET_MODE", frozen=True):
+    id: RequestId
+    mode: Mode
+    gpu: GpuRef | None = None
 
 
 class SchedOn(_Msg, tag="SCHED_ON", frozen=True):
@@ -144,7 +187,19 @@ class ListClients(_Msg, tag="CLIENTS", frozen=True):
 
 
 ClientMessage = Union[
-    Hello, Attach, Detach, LockRequest, LockReleased, SchedOn, SchedOff, SetTq, Status, ListClients
+    Hello,
+    Attach,
+    Detach,
+    LockRequest,
+    LockReleased,
+    MemUpdate,
+    SetLimits,
+    SetMode,
+    SchedOn,
+    SchedOff,
+    SetTq,
+    Status,
+    ListClients,
 ]
 
 
@@ -172,6 +227,30 @@ class Attached(_Msg, tag="ATTACHED", frozen=True):
     session: SessionId
     gpu: int
     scheduler_on: bool
+    core_limit: int
+    mem_limit: int | None
+    memory_total_bytes: int
+
+
+class LimitsSet(_Msg, tag="LIMITS_SET", frozen=True):
+    id: RequestId
+    sessions: list[int]
+
+
+class LimitsChanged(_Msg, tag="LIMITS_CHANGED", frozen=True):
+    """Push: the session's limits are now these."""
+
+    session: SessionId
+    core_limit: int
+    mem_limit: int | None
+
+
+class MemLimitExceeded(_Msg, tag="MEM_LIMIT_EXCEEDED", frozen=True):
+    """Push: reported use went above the session's memory limit."""
+
+    session: SessionId
+    used_bytes: int
+    limit_bytes: int
 
 
 class Ok(_Msg, tag="OK", frozen=True):
@@ -214,6 +293,7 @@ class HolderInfo(Struct, frozen=True, kw_only=True):
     grant: int
     held_ms: float
     drop_pending: DropReason | None
+    core_limit: int
 
 
 class WaiterInfo(Struct, frozen=True, kw_only=True):
@@ -223,6 +303,7 @@ class WaiterInfo(Struct, frozen=True, kw_only=True):
     pid: int
     priority: int
     waited_ms: float
+    throttled: bool
 
 
 class GpuStatus(Struct, frozen=True, kw_only=True):
@@ -231,9 +312,12 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     name: str
     memory_total_bytes: int
     simulated: bool
-    mode: Literal["serial"]
+    mode: Mode
     scheduler_on: bool
     tq_s: float
+    window_s: float
+    memory_capacity_bytes: int  # total less the reserve
+    memory_in_use_bytes: int  # what the holders need, as admission counts it
     holders: list[HolderInfo]
     queue: list[WaiterInfo]
     clients: int
@@ -259,6 +343,17 @@ class SessionInfo(Struct, frozen=True, kw_only=True):
     wait_ms: float
     drops: dict[str, int]
     revocations: int
+    core_limit: int
+    budget_ms: float | None  # per window after scaling; None: unlimited
+    window_used_ms: float  # weighted GPU time billed in the current window
+    window_share_percent: float  # window_used_ms / window length
+    recent_share_percent: float  # over the last finished windows
+    throttled: bool
+    throttles: int
+    mem_estimate_bytes: int | None
+    mem_used_bytes: int | None
+    mem_limit_bytes: int | None
+    mem_violations: int
 
 
 class ClientInfo(Struct, frozen=True, kw_only=True):
@@ -280,6 +375,9 @@ class ClientsReply(_Msg, tag="CLIENTS_REPLY", frozen=True):
 DaemonMessage = Union[
     Welcome,
     Attached,
+    LimitsSet,
+    LimitsChanged,
+    MemLimitExceeded,
     Ok,
     Error,
     LockOk,

@@ -11,19 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+from gpud_client.units import parse_bytes
+
+__all__ = ["GpuIdentity", "parse_bytes", "parse_simulate", "resolve_gpu"]
+
 _SIMULATE = re.compile(r"^\s*(\d+)\s*(?:x\s*(.+))?$")
 DEFAULT_SIMULATED_MEMORY = 80 * 2**30
 MAX_GPUS = 64
@@ -33,21 +24,6 @@ MAX_GPUS = 64
 class GpuIdentity:
     index: int
     uuid: str
-
-
-def parse_bytes(text: str) -> int:
-    """'8GiB' -> 8589934592. Whole bytes only; negative or unknown units refused."""
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (expected bytes or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    number, unit = m.groups()
-    factor = _UNITS.get(unit.upper())
-    if factor is None:
-        raise ValueError(f"unknown size unit {unit!r} in {text!r} (expected B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)")
-    value = float(number) * factor if "." in number else int(number) * factor
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
 
 
 def parse_simulate(spec: str) -> tuple[int, int]:

@@ -1,16 +1,27 @@
-"""One GPU's time-sliced lock: nvshare's rules as a pure state machine.
+"""One GPU's scheduler: nvshare's time-sliced lock, memory-aware concurrency,
+compute limits and priorities, as a pure state machine.
 
-Rules kept here (serial mode):
+Rules kept here:
 - Sessions attach to the GPU. LOCK_REQUEST joins one queue ordered by priority
   (higher first), then arrival; with equal priorities that is nvshare's FCFS.
-- The lock has one holder. When it is free the head of the queue gets it at
-  once (LOCK_OK); LOCK_RELEASED passes it on within the same call.
-- Time quantum: a holder that has held the lock for TQ since its grant while
-  someone waits gets one DROP_LOCK (reason tq) per grant. No waiter, no drop.
-- A holder that has not released within ``drop_timeout`` of its DROP_LOCK is
+  The head of the queue is admitted when it fits; a throttled session is
+  passed over (it waits for its next window) without blocking the others.
+- Modes: ``serial`` admits one holder; ``concurrent`` admits while the memory
+  of the holders (max of declared estimate and reported use; unknown memory
+  counts as the whole GPU) fits in total x (1 - reserve %); ``auto`` is
+  concurrent and, when reported memory of the holders overflows, drops
+  sessions (reason memory) until it fits. The first holder on an idle GPU is
+  always admitted.
+- Time quantum: a holder that has held the lock for TQ since its grant while a
+  waiter cannot be admitted beside it gets one DROP_LOCK (reason tq) per grant.
+- Compute limits (``quota.py``): a running session whose budget is used up
+  gets DROP_LOCK (reason quota) and is throttled until the next window.
+- Priority: a waiter that cannot be admitted drops running sessions of lower
+  priority (reason preempt), lowest first, as many as it needs to fit.
+- A holder that has not released within ``drop_timeout`` of a DROP_LOCK is
   revoked: it leaves the running set, is told, and is counted.
 - Scheduler off (SCHED_OFF): every request is granted at once, the queue is
-  emptied into the running set, no drops; accounting still runs.
+  emptied, nothing is dropped or throttled; accounting still runs.
 - Detaching (a closed connection) frees the lock and the queue place at once.
 
 Every call takes ``now`` (integer microseconds) and returns effects for the
@@ -24,12 +35,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
 
-from gpud_client.protocol import DropReason, ErrorCode, RevokeReason
+from gpud.core.quota import ComputeAccounts, QuotaConfig
+from gpud.core.snapshots import HolderView, SchedulerView, SessionView, WaiterView
+from gpud_client.protocol import DropReason, ErrorCode, Mode, RevokeReason
 
-SessionState = Literal["idle", "waiting", "holding"]
+__all__ = ["Drop", "Effect", "GpuScheduler", "Grant", "MemOverLimit", "Refused", "Revoke", "SchedulerConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +64,14 @@ class Revoke:
     reason: RevokeReason
 
 
-Effect = Grant | Drop | Revoke
+@dataclass(frozen=True, slots=True)
+class MemOverLimit:
+    session: int
+    used_bytes: int
+    limit_bytes: int
+
+
+Effect = Grant | Drop | Revoke | MemOverLimit
 
 
 class Refused(Exception):
@@ -68,74 +87,42 @@ class Refused(Exception):
 class SchedulerConfig:
     tq_us: int = 30_000_000
     drop_timeout_us: int = 10_000_000
+    mode: Mode = Mode.AUTO
+    memory_total_bytes: int = 80 * 2**30
+    memory_reserve_percent: int = 10
+    quota: QuotaConfig = QuotaConfig()
 
 
 @dataclass(slots=True)
 class _Session:
     id: int
     priority: int
-    state: SessionState = "idle"
+    mem_estimate: int | None = None
+    mem_used: int | None = None
+    mem_limit: int | None = None
+    mem_over: bool = False
+    state: str = "idle"  # idle | waiting | holding
     requested_at: int = 0
     grant: int = 0
     granted_at: int = 0
     drop_reason: DropReason | None = None
     drop_sent_at: int = 0
     tq_dropped: bool = False
-    # lifetime counters, read by snapshots
     grants: int = 0
     hold_us: int = 0
     wait_us: int = 0
     drops: Counter[str] = field(default_factory=Counter)
     revocations: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class HolderView:
-    session: int
-    grant: int
-    held_us: int
-    drop_pending: DropReason | None
-
-
-@dataclass(frozen=True, slots=True)
-class WaiterView:
-    session: int
-    priority: int
-    waited_us: int
-
-
-@dataclass(frozen=True, slots=True)
-class SessionView:
-    session: int
-    state: SessionState
-    priority: int
-    grant: int
-    grants: int
-    hold_us: int
-    wait_us: int
-    drops: dict[str, int]
-    revocations: int
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerView:
-    enabled: bool
-    tq_us: int
-    drop_timeout_us: int
-    holders: tuple[HolderView, ...]
-    queue: tuple[WaiterView, ...]
-    sessions: int
-    grants: int
-    drops: dict[str, int]
-    revocations: int
+    mem_violations: int = 0
 
 
 class GpuScheduler:
-    """The lock of one GPU. See the module comment for the rules."""
+    """The scheduler of one GPU. See the module comment for the rules."""
 
-    def __init__(self, config: SchedulerConfig = SchedulerConfig(), *, enabled: bool = True) -> None:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig(), *, enabled: bool = True, now: int = 0) -> None:
         self._cfg = config
         self._enabled = enabled
+        self._acc = ComputeAccounts(config.quota, now)
         self._sessions: dict[int, _Session] = {}
         self._running: dict[int, _Session] = {}  # insertion order = grant order
         self._queue: list[tuple[int, int, int]] = []  # (-priority, seq, session)
@@ -147,10 +134,21 @@ class GpuScheduler:
 
     # --- calls ------------------------------------------------------------
 
-    def attach(self, session: int, now: int, *, priority: int = 0) -> list[Effect]:
+    def attach(
+        self,
+        session: int,
+        now: int,
+        *,
+        priority: int = 0,
+        core_limit: int = 100,
+        mem_estimate: int | None = None,
+        mem_limit: int | None = None,
+    ) -> list[Effect]:
         if session in self._sessions:
             raise Refused(ErrorCode.INVALID, f"session {session} is already attached")
-        self._sessions[session] = _Session(id=session, priority=priority)
+        _check_limit(core_limit)
+        self._sessions[session] = _Session(session, priority, mem_estimate=mem_estimate, mem_limit=mem_limit)
+        self._acc.add(session, core_limit, now)
         return self._settle(now)
 
     def detach(self, session: int, now: int) -> list[Effect]:
@@ -158,8 +156,9 @@ class GpuScheduler:
         if s.state == "holding":
             self._end_hold(s, now)
         elif s.state == "waiting":
-            self._unqueue(s)
+            self._queue = [e for e in self._queue if e[2] != s.id]
         del self._sessions[session]
+        self._acc.remove(session, now)
         return self._settle(now)
 
     def request(self, session: int, now: int) -> list[Effect]:
@@ -176,23 +175,49 @@ class GpuScheduler:
         if s.state != "holding":
             raise Refused(ErrorCode.NOT_HOLDER, f"session {session} does not hold the lock (it is {s.state})")
         if grant is not None and grant != s.grant:
-            raise Refused(
-                ErrorCode.STALE_GRANT, f"session {session} holds grant {s.grant}, not grant {grant}"
-            )
+            raise Refused(ErrorCode.STALE_GRANT, f"session {session} holds grant {s.grant}, not grant {grant}")
         self._end_hold(s, now)
         return self._settle(now)
+
+    def set_limits(
+        self, session: int, now: int, *, core_limit: int | None = None, mem_limit: int | None = None
+    ) -> list[Effect]:
+        """Change limits at run time; the window's use is kept."""
+        s = self._get(session)
+        if core_limit is not None:
+            _check_limit(core_limit)
+            self._acc.set_limit(session, core_limit, now)
+        effects: list[Effect] = []
+        if mem_limit is not None:
+            s.mem_limit = mem_limit or None  # 0 lifts the limit
+            s.mem_over = False  # a new limit is reported afresh
+            self._check_memory_limit(s, effects)
+        return effects + self._settle(now)
+
+    def report_memory(self, session: int, used_bytes: int, now: int) -> list[Effect]:
+        s = self._get(session)
+        s.mem_used = used_bytes
+        effects: list[Effect] = []
+        self._check_memory_limit(s, effects)
+        return effects + self._settle(now)
 
     def set_tq(self, tq_us: int, now: int) -> list[Effect]:
         if tq_us <= 0:
             raise Refused(ErrorCode.INVALID, f"time quantum must be positive, got {tq_us} us")
-        self._cfg = SchedulerConfig(tq_us=tq_us, drop_timeout_us=self._cfg.drop_timeout_us)
+        self._cfg = replace(self._cfg, tq_us=tq_us)
+        return self._settle(now)
+
+    def set_mode(self, mode: Mode, now: int) -> list[Effect]:
+        self._cfg = replace(self._cfg, mode=Mode(mode))
         return self._settle(now)
 
     def set_enabled(self, enabled: bool, now: int) -> list[Effect]:
         self._enabled = enabled
         if not enabled:
             for s in self._running.values():  # nothing is dropped while off
-                s.drop_reason = None
+                if s.drop_reason is not None:
+                    s.drop_reason = None
+                    self._acc.start(s.id, now)
         return self._settle(now)
 
     def advance(self, now: int) -> list[Effect]:
@@ -201,14 +226,17 @@ class GpuScheduler:
 
     def next_deadline(self) -> int | None:
         """When ``advance`` next has something to do, or None."""
-        if not self._enabled:
-            return None
         times: list[int] = []
-        for s in self._running.values():
-            if s.drop_reason is not None:
-                times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
-            elif self._queue and not s.tq_dropped:
-                times.append(s.granted_at + self._cfg.tq_us)
+        if self._enabled:
+            blocked = self._blocked_waiter() is not None
+            for s in self._running.values():
+                if s.drop_reason is not None:
+                    times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
+                elif blocked and not s.tq_dropped:
+                    times.append(s.granted_at + self._cfg.tq_us)
+        quota = self._acc.next_deadline()
+        if quota is not None:
+            times.append(quota)
         return min(times, default=None)
 
     # --- reading ------------------------------------------------------------
@@ -221,6 +249,10 @@ class GpuScheduler:
     def config(self) -> SchedulerConfig:
         return self._cfg
 
+    @property
+    def accounts(self) -> ComputeAccounts:
+        return self._acc
+
     def holders(self) -> list[int]:
         return list(self._running)
 
@@ -228,31 +260,48 @@ class GpuScheduler:
         return [sid for _, _, sid in self._queue]
 
     def session(self, session: int, now: int) -> SessionView:
+        """As of the last call; ``advance(now)`` first for figures up to now."""
         s = self._get(session)
-        held = now - s.granted_at if s.state == "holding" else 0
-        waited = now - s.requested_at if s.state == "waiting" else 0
+        a = self._acc.account(session)
+        budget = self._acc.budget_ns(session)
         return SessionView(
             session=s.id,
             state=s.state,
             priority=s.priority,
             grant=s.grant,
             grants=s.grants,
-            hold_us=s.hold_us + held,
-            wait_us=s.wait_us + waited,
+            hold_us=s.hold_us + (now - s.granted_at if s.state == "holding" else 0),
+            wait_us=s.wait_us + (now - s.requested_at if s.state == "waiting" else 0),
             drops=dict(s.drops),
             revocations=s.revocations,
+            core_limit=a.limit,
+            budget_us=None if budget is None else budget // 1000,
+            used_us=a.used_ns // 1000,
+            recent_share_percent=self._acc.recent_share(session),
+            throttled=self._throttled(session),
+            throttles=a.throttles,
+            mem_estimate=s.mem_estimate,
+            mem_used=s.mem_used,
+            mem_limit=s.mem_limit,
+            mem_violations=s.mem_violations,
         )
 
     def view(self, now: int) -> SchedulerView:
+        """As of the last call; ``advance(now)`` first for figures up to now."""
         return SchedulerView(
             enabled=self._enabled,
+            mode=self._cfg.mode,
             tq_us=self._cfg.tq_us,
             drop_timeout_us=self._cfg.drop_timeout_us,
+            window_us=self._acc.cfg.window_us,
+            memory_capacity_bytes=self._capacity(),
+            memory_in_use_bytes=sum(self._need(s) for s in self._running.values()),
             holders=tuple(
                 HolderView(s.id, s.grant, now - s.granted_at, s.drop_reason) for s in self._running.values()
             ),
             queue=tuple(
-                WaiterView(sid, -negp, now - self._sessions[sid].requested_at) for negp, _, sid in self._queue
+                WaiterView(sid, -negp, now - self._sessions[sid].requested_at, self._throttled(sid))
+                for negp, _, sid in self._queue
             ),
             sessions=len(self._sessions),
             grants=self._grants,
@@ -268,20 +317,47 @@ class GpuScheduler:
         except KeyError:
             raise Refused(ErrorCode.UNKNOWN_SESSION, f"no session {session} on this GPU") from None
 
-    def _unqueue(self, s: _Session) -> None:
-        self._queue = [e for e in self._queue if e[2] != s.id]
-        s.state = "idle"
+    def _capacity(self) -> int:
+        return self._cfg.memory_total_bytes * (100 - self._cfg.memory_reserve_percent) // 100
+
+    def _need(self, s: _Session) -> int:
+        if s.mem_estimate is None and s.mem_used is None:
+            return self._cfg.memory_total_bytes  # unknown: it may need all of it
+        return max(s.mem_estimate or 0, s.mem_used or 0)
+
+    def _throttled(self, sid: int) -> bool:
+        return self._acc.account(sid).throttled or self._acc.over_budget(sid)
 
     def _end_hold(self, s: _Session, now: int) -> None:
         del self._running[s.id]
+        self._acc.stop(s.id, now)
         s.hold_us += now - s.granted_at
         s.state = "idle"
         s.drop_reason = None
 
+    def _drop(self, s: _Session, reason: DropReason, now: int, effects: list[Effect]) -> None:
+        s.drop_reason = reason
+        s.drop_sent_at = now
+        s.drops[reason] += 1
+        self._drops[reason] += 1
+        self._acc.begin_tail(s.id, now)
+        effects.append(Drop(s.id, s.grant, reason))
+
+    def _check_memory_limit(self, s: _Session, effects: list[Effect]) -> None:
+        over = s.mem_limit is not None and s.mem_used is not None and s.mem_used > s.mem_limit
+        if over and not s.mem_over and s.mem_limit is not None and s.mem_used is not None:
+            s.mem_violations += 1
+            effects.append(MemOverLimit(s.id, s.mem_used, s.mem_limit))
+        s.mem_over = over
+
     def _settle(self, now: int) -> list[Effect]:
-        """Apply every rule that is due at ``now``, in order, until stable."""
+        """Apply every rule that is due at ``now``, in order."""
         effects: list[Effect] = []
+        self._acc.settle(now)
         self._revoke_unresponsive(now, effects)
+        if self._enabled:
+            self._drop_exhausted(now, effects)
+            self._drop_memory_overflow(now, effects)
         self._admit(now, effects)
         self._drop_expired(now, effects)
         return effects
@@ -294,10 +370,46 @@ class GpuScheduler:
                 self._revocations += 1
                 self._end_hold(s, now)
 
+    def _drop_exhausted(self, now: int, effects: list[Effect]) -> None:
+        for sid in self._acc.exhausted():
+            self._acc.throttle(sid)
+            s = self._running[sid]
+            if s.drop_reason is None:
+                self._drop(s, DropReason.QUOTA, now, effects)
+
+    def _drop_memory_overflow(self, now: int, effects: list[Effect]) -> None:
+        if self._cfg.mode != Mode.AUTO:
+            return
+        staying = [s for s in self._running.values() if s.drop_reason is None]
+        overflow = sum(self._need(s) for s in staying) - self._capacity()
+        for s in sorted(staying, key=lambda s: (s.priority, -s.granted_at)):
+            if overflow <= 0 or len(staying) <= 1:
+                return
+            self._drop(s, DropReason.MEMORY, now, effects)
+            staying.remove(s)
+            overflow -= self._need(s)
+
+    def _blocked_waiter(self) -> _Session | None:
+        """The first waiter that is not throttled (after ``_admit``: it does not fit)."""
+        for _, _, sid in self._queue:
+            if not self._throttled(sid):
+                return self._sessions[sid]
+        return None
+
+    def _fits(self, s: _Session) -> bool:
+        if not self._enabled or not self._running:
+            return True
+        if self._cfg.mode == Mode.SERIAL:
+            return False
+        in_use = sum(self._need(r) for r in self._running.values())
+        return in_use + self._need(s) <= self._capacity()
+
     def _admit(self, now: int, effects: list[Effect]) -> None:
-        while self._queue and (not self._enabled or not self._running):
-            _, _, sid = self._queue.pop(0)
-            s = self._sessions[sid]
+        while (s := self._next_admissible()) is not None:
+            if not self._fits(s):
+                self._preempt_for(s, now, effects)
+                return
+            self._queue = [e for e in self._queue if e[2] != s.id]
             s.state = "holding"
             s.grant = next(self._grant_seq)
             s.granted_at = now
@@ -306,17 +418,40 @@ class GpuScheduler:
             s.grants += 1
             s.wait_us += now - s.requested_at
             self._grants += 1
-            self._running[sid] = s
-            effects.append(Grant(sid, s.grant))
+            self._running[s.id] = s
+            self._acc.start(s.id, now)
+            effects.append(Grant(s.id, s.grant))
+
+    def _next_admissible(self) -> _Session | None:
+        if not self._enabled:
+            return self._sessions[self._queue[0][2]] if self._queue else None
+        return self._blocked_waiter()
+
+    def _preempt_for(self, waiter: _Session, now: int, effects: list[Effect]) -> None:
+        """Drop lower-priority holders, lowest first, if that lets ``waiter`` in."""
+        staying = [s for s in self._running.values() if s.drop_reason is None]
+        victims = sorted((s for s in staying if s.priority < waiter.priority), key=lambda s: (s.priority, -s.granted_at))
+        chosen: list[_Session] = []
+        for v in victims:
+            chosen.append(v)
+            rest = [s for s in staying if s not in chosen]
+            if not rest or (
+                self._cfg.mode != Mode.SERIAL
+                and sum(self._need(s) for s in rest) + self._need(waiter) <= self._capacity()
+            ):
+                for c in chosen:
+                    self._drop(c, DropReason.PREEMPT, now, effects)
+                return
 
     def _drop_expired(self, now: int, effects: list[Effect]) -> None:
-        if not self._enabled or not self._queue:
+        if not self._enabled or self._blocked_waiter() is None:
             return
         for s in self._running.values():
             if s.drop_reason is None and not s.tq_dropped and now >= s.granted_at + self._cfg.tq_us:
                 s.tq_dropped = True
-                s.drop_reason = DropReason.TQ
-                s.drop_sent_at = now
-                s.drops[DropReason.TQ] += 1
-                self._drops[DropReason.TQ] += 1
-                effects.append(Drop(s.id, s.grant, DropReason.TQ))
+                self._drop(s, DropReason.TQ, now, effects)
+
+
+def _check_limit(core_limit: int) -> None:
+    if not 1 <= core_limit <= 100:
+        raise Refused(ErrorCode.INVALID, f"core limit must be 1..100 percent, got {core_limit}")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from gpud.core.scheduler import Drop, Grant, GpuScheduler, Refused, Revoke, SchedulerConfig
 from gpud_client.protocol import DropReason, ErrorCode, RevokeReason
+
+from .statecheck import state_of
 
 S = 1_000_000  # one second in microseconds
 TQ = 30 * S
@@ -121,7 +121,7 @@ def test_release_by_a_non_holder_is_refused_and_changes_nothing() -> None:
     s = sched(1, 2, 3)
     s.request(1, 0)
     s.request(2, 1)
-    before = copy.deepcopy(s.__dict__)
+    before = state_of(s)
     for sid in (2, 3):
         with pytest.raises(Refused) as err:
             s.release(sid, 5)
@@ -132,19 +132,19 @@ def test_release_by_a_non_holder_is_refused_and_changes_nothing() -> None:
     with pytest.raises(Refused) as err:
         s.release(1, 5, grant=7)
     assert err.value.code == ErrorCode.STALE_GRANT
-    assert repr(s.__dict__) == repr(before)
+    assert state_of(s) == before
 
 
 def test_a_second_request_is_refused_and_changes_nothing() -> None:
     s = sched(1, 2)
     s.request(1, 0)
     s.request(2, 1)
-    before = repr(s.__dict__)
+    before = state_of(s)
     for sid in (1, 2):
         with pytest.raises(Refused) as err:
             s.request(sid, 3)
         assert err.value.code == ErrorCode.ALREADY_REQUESTED
-    assert repr(s.__dict__) == before
+    assert state_of(s) == before
 
 
 def test_detach_frees_the_lock_and_the_queue_place_at_once() -> None:

@@ -30,7 +30,7 @@ def test_status_json_reports_every_gpu_with_holder_and_queue(daemon: DaemonProce
     data = json.loads(out.stdout)
     assert [g["index"] for g in data["gpus"]] == [0, 1]
     g0 = data["gpus"][0]
-    assert g0["mode"] == "serial" and g0["tq_s"] == 30.0 and g0["scheduler_on"] is True
+    assert g0["mode"] == "auto" and g0["tq_s"] == 30.0 and g0["scheduler_on"] is True
     assert [(h["name"], h["session"]) for h in g0["holders"]] == [("holder", sa)]
     assert [(w["name"], w["session"]) for w in g0["queue"]] == [("waiter", sb)]
     assert g0["clients"] == 2
@@ -44,7 +44,7 @@ def test_status_table_for_people(daemon: DaemonProcess) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].split()[:4] == ["GPU", "NAME", "MODE", "TQ"]
-    assert "trainer[" in lines[2] and "serial" in lines[2]
+    assert "trainer[" in lines[2] and "auto" in lines[2]
 
 
 def test_socket_from_the_environment(daemon: DaemonProcess) -> None:
