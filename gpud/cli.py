@@ -18,6 +18,7 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import GpudError
+from gpud_client.units import format_bytes, parse_bytes
 
 
 def _connect(args: argparse.Namespace) -> Connection:
@@ -51,44 +52,58 @@ def render_status(reply: p.StatusReply) -> str:
             _who(h.name, h.pid, h.session) + f" {h.held_ms / 1000:.1f}s" + (f" (drop:{h.drop_pending})" if h.drop_pending else "")
             for h in g.holders
         )
-        queue = ", ".join(_who(w.name, w.pid, w.session) for w in g.queue)
+        queue = ", ".join(_who(w.name, w.pid, w.session) + (" (throttled)" if w.throttled else "") for w in g.queue)
         rows.append(
             [
                 str(g.index),
                 g.name + (" (sim)" if g.simulated and "Simulated" not in g.name else ""),
                 g.mode if g.scheduler_on else "off",
                 f"{g.tq_s:g}s",
+                f"{format_bytes(g.memory_in_use_bytes)}/{format_bytes(g.memory_capacity_bytes)}",
                 holder or "-",
                 queue or "-",
                 str(g.clients),
             ]
         )
     head = f"gpud {reply.version}, up {reply.uptime_s:.0f}s, {len(reply.gpus)} GPU(s)"
-    return head + "\n" + _table(rows, ["GPU", "NAME", "MODE", "TQ", "HOLDER", "QUEUE", "CLIENTS"])
+    return head + "\n" + _table(rows, ["GPU", "NAME", "MODE", "TQ", "MEMORY", "HOLDER", "QUEUE", "CLIENTS"])
+
+
+def _limit(s: p.SessionInfo) -> str:
+    return "-" if s.core_limit >= 100 else f"{s.core_limit}%"
+
+
+def _memory(s: p.SessionInfo) -> str:
+    used = "-" if s.mem_used_bytes is None else format_bytes(s.mem_used_bytes)
+    limit = "-" if s.mem_limit_bytes is None else format_bytes(s.mem_limit_bytes)
+    over = f" over:{s.mem_violations}" if s.mem_violations else ""
+    return f"{used}/{limit}{over}"
 
 
 def render_clients(reply: p.ClientsReply) -> str:
     rows = []
     for c in reply.clients:
+        who = [str(c.client_id), c.name or "?", str(c.pid)]
         if not c.sessions:
-            rows.append([str(c.client_id), c.name or "?", str(c.pid), str(c.uid), "-", "-", "-", "-", "-", "-", "-"])
+            rows.append(who + ["-"] * 9)
         for s in c.sessions:
+            state = s.state + (" throttled" if s.throttled else "")
             rows.append(
-                [
-                    str(c.client_id),
-                    c.name or "?",
-                    str(c.pid),
-                    str(c.uid),
-                    str(s.session),
-                    str(s.gpu),
-                    s.state,
+                who
+                + [
+                    f"{s.gpu}#{s.session}",
+                    state,
+                    _limit(s),
+                    f"{s.window_share_percent:.1f}%",
+                    f"{s.recent_share_percent:.1f}%",
+                    _memory(s),
                     str(s.grants),
-                    f"{s.hold_ms / 1000:.2f}s",
                     f"{s.wait_ms / 1000:.2f}s",
                     _drops(s.drops) + (f" revoked={s.revocations}" if s.revocations else ""),
                 ]
             )
-    header = ["CLIENT", "NAME", "PID", "UID", "SESSION", "GPU", "STATE", "GRANTS", "HELD", "WAITED", "DROPS"]
+    header = ["CLIENT", "NAME", "PID", "GPU#SESSION", "STATE", "LIMIT", "WINDOW", "RECENT", "MEM USED/LIMIT",
+              "GRANTS", "WAITED", "DROPS"]
     return _table(rows, header)
 
 
@@ -139,6 +154,50 @@ def cmd_sched(args: argparse.Namespace) -> None:
     _done(args, f"scheduler {args.state} on {where}", scheduler_on=on, gpu=gpu)
 
 
+def cmd_mode(args: argparse.Namespace) -> None:
+    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
+    with _connect(args) as conn:
+        conn.call(p.SetMode(id=conn.next_id(), mode=p.Mode(args.mode), gpu=gpu))
+    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
+    _done(args, f"mode {args.mode} on {where}", mode=args.mode, gpu=gpu)
+
+
+def cmd_limit(args: argparse.Namespace) -> None:
+    if args.core is None and args.mem is None:
+        raise GpudError("nothing to change: give --core PERCENT and/or --mem SIZE")
+    client: int | str = int(args.client) if args.client.isdigit() else args.client
+    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
+    with _connect(args) as conn:
+        reply = conn.call(
+            p.SetLimits(id=conn.next_id(), client=client, gpu=gpu, core_limit=args.core, mem_limit=args.mem)
+        )
+    what = ", ".join(
+        x for x in (
+            None if args.core is None else f"core {args.core}%",
+            None if args.mem is None else ("memory unlimited" if args.mem == 0 else f"memory {format_bytes(args.mem)}"),
+        ) if x
+    )
+    _done(args, f"{what} for client {args.client}, session(s) {', '.join(map(str, reply.sessions))}",
+          client=client, sessions=reply.sessions, core_limit=args.core, mem_limit=args.mem)
+
+
+def _core_percent(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole percentage: {text!r}") from None
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"core limit must be 1..100 percent, got {value}")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -172,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("state", choices=["on", "off"])
     sched.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
     sched.set_defaults(func=cmd_sched)
+    mode = sub.add_parser("mode", parents=[common], help="serial, concurrent or auto admission (admin)")
+    mode.add_argument("mode", choices=[m.value for m in p.Mode])
+    mode.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    mode.set_defaults(func=cmd_mode)
+    limit = sub.add_parser("limit", parents=[common], help="a client's compute/memory limits (admin for others)")
+    limit.add_argument("client", help="client id or name (see gpuctl clients)")
+    limit.add_argument("--core", type=_core_percent, metavar="PERCENT", help="1..100 percent of GPU time")
+    limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
+    limit.add_argument("--gpu", help="only the session on this GPU")
+    limit.set_defaults(func=cmd_limit)
     return ap
 
 

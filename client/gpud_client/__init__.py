@@ -5,8 +5,15 @@ Imports only msgspec: inference processes link it.
 
 from gpud_client.client import Client, Session
 from gpud_client.connection import Connection
-from gpud_client.errors import DaemonUnavailable, GpudError, PermissionDenied, ProtocolError
-from gpud_client.protocol import PROTOCOL_VERSION, DropReason, ErrorCode, resolve_socket_path
+from gpud_client.errors import (
+    DaemonUnavailable,
+    GpudError,
+    MemoryLimitExceeded,
+    PermissionDenied,
+    ProtocolError,
+)
+from gpud_client.protocol import PROTOCOL_VERSION, DropReason, ErrorCode, Mode, resolve_socket_path
+from gpud_client.units import format_bytes, parse_bytes
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -16,8 +23,12 @@ __all__ = [
     "DropReason",
     "ErrorCode",
     "GpudError",
+    "MemoryLimitExceeded",
+    "Mode",
     "PermissionDenied",
     "ProtocolError",
     "Session",
+    "format_bytes",
+    "parse_bytes",
     "resolve_socket_path",
 ]

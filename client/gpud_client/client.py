@@ -28,12 +28,19 @@ import msgspec
 
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from gpud_client.errors import DaemonUnavailable, GpudError, error_from
+from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, error_from
+from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
+from gpud_client.units import parse_bytes
 
 log = logging.getLogger("gpud_client")
 State = Literal["idle", "waiting", "holding", "releasing"]
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
+
+
+def _size(value: int | str | None) -> int | None:
+    return parse_bytes(value) if isinstance(value, str) else value
 
 
 class _Pending:
@@ -56,10 +63,23 @@ class Session:
         idle_release: float | None,
         on_drop: Callable[[p.DropReason], None] | None,
         synchronize: Callable[[], None] | None,
+        core_limit: int = 100,
+        mem_limit: int | None = None,
+        mem_estimate: int | None = None,
+        memory_probe: Callable[[], int] | None = None,
+        framework_hooks: bool = True,
     ) -> None:
         self.client = client
         self.gpu_ref = gpu
         self.priority = priority
+        self.core_limit = core_limit
+        self.mem_limit = mem_limit
+        self.mem_estimate = mem_estimate
+        self.framework_hooks = framework_hooks
+        self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
+        self.mem_reported: int | None = None
+        self.mem_error: MemoryLimitExceeded | None = None
+        self.memory_total_bytes = 0
         self.idle_release = idle_release
         self.on_drop = on_drop
         self.synchronize = synchronize
@@ -103,6 +123,14 @@ class Session:
     def release(self) -> None:
         """End an ``acquire`` (or give back a lock kept between slices) now."""
         self.client._release(self)
+
+    def report_memory(self, used_bytes: int) -> None:
+        """Tell the daemon how much GPU memory this session uses (MEM_UPDATE)."""
+        self.client._report_memory(self, used_bytes)
+
+    def set_limits(self, *, core_limit: int | None = None, mem_limit: int | str | None = None) -> None:
+        """Change this session's own limits; the window's use is kept."""
+        self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=_size(mem_limit)))
 
     def close(self) -> None:
         self.client._detach(self)
@@ -165,9 +193,23 @@ class Client:
         idle_release: float | None = 1.0,
         on_drop: Callable[[p.DropReason], None] | None = None,
         synchronize: Callable[[], None] | None = None,
+        core_limit: int = 100,
+        mem_limit: int | str | None = None,
+        mem_estimate: int | str | None = None,
+        memory_probe: Callable[[], int] | None = None,
+        framework_hooks: bool = True,
     ) -> Session:
-        s = Session(self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize)
-        reply = self.call(p.Attach(id=0, gpu=gpu, priority=priority))
+        """Attach to a GPU. ``core_limit``: percent of GPU time per window;
+        ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
+        ``memory_probe`` is read at each slice's end and reported when it
+        moved; with torch already imported, PyTorch's reserved memory is the
+        default probe and ``mem_limit`` also caps PyTorch's allocator."""
+        s = Session(
+            self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
+            core_limit=core_limit, mem_limit=_size(mem_limit), mem_estimate=_size(mem_estimate),
+            memory_probe=memory_probe, framework_hooks=framework_hooks,
+        )
+        reply = self.call(self._attach_msg(s))
         with self._cond:
             self._bind(s, reply)
             self._all.append(s)
@@ -209,6 +251,23 @@ class Client:
     def set_scheduler(self, on: bool, gpu: int | str | None = None) -> None:
         self.call(p.SchedOn(id=0, gpu=gpu) if on else p.SchedOff(id=0, gpu=gpu))
 
+    def set_mode(self, mode: p.Mode | str, gpu: int | str | None = None) -> None:
+        self.call(p.SetMode(id=0, mode=p.Mode(mode), gpu=gpu))
+
+    def set_limits(
+        self,
+        client: int | str | None = None,
+        *,
+        core_limit: int | None = None,
+        mem_limit: int | str | None = None,
+        gpu: int | str | None = None,
+    ) -> list[int]:
+        """Change a client's limits (admin for another client's); the sessions changed."""
+        reply: p.LimitsSet = self.call(
+            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=_size(mem_limit))
+        )
+        return reply.sessions
+
     def close(self) -> None:
         with self._cond:
             if self._closed:
@@ -235,6 +294,9 @@ class Client:
                 raise GpudError("this session is closed")
             if s.in_slice:
                 raise GpudError("slices of one session do not nest (an acquire() counts as one)")
+            if s.mem_error is not None:
+                err, s.mem_error = s.mem_error, None
+                raise err
         if not self._acquire(s):
             return False
         with self._cond:
@@ -242,6 +304,14 @@ class Client:
         return True
 
     def _exit_slice(self, s: Session) -> None:
+        if s.memory_probe is not None:
+            try:
+                used = s.memory_probe()
+            except Exception:
+                log.exception("memory probe failed")
+            else:
+                if s.mem_reported is None or abs(used - s.mem_reported) >= _MEM_REPORT_STEP:
+                    self._report_memory(s, used)
         with self._cond:
             s.in_slice = False
             if s.closed:
@@ -333,9 +403,37 @@ class Client:
             except GpudError:
                 pass  # gone with the connection either way
 
+    def _report_memory(self, s: Session, used_bytes: int) -> None:
+        with self._cond:
+            conn = self._conn
+            if conn is None or not s.id:
+                return  # reported again after the re-attach, at the next slice's end
+            s.mem_reported = used_bytes
+            self._send(conn, p.MemUpdate(id=conn.next_id(), session=s.id, used_bytes=used_bytes))
+
+    @staticmethod
+    def _attach_msg(s: Session) -> p.Attach:
+        return p.Attach(
+            id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
+            mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
+        )
+
+    @staticmethod
+    def _apply_limits(s: Session, core_limit: int, mem_limit: int | None) -> None:
+        changed = mem_limit != s.mem_limit
+        s.core_limit, s.mem_limit = core_limit, mem_limit
+        if s.framework_hooks and (mem_limit is not None or changed):
+            try:
+                apply_torch_memory_limit(mem_limit)
+            except Exception:
+                log.exception("could not apply the memory limit to PyTorch")
+
     def _bind(self, s: Session, reply: p.Attached) -> None:
         s.id = reply.session
         s.gpu = reply.gpu
+        s.memory_total_bytes = reply.memory_total_bytes
+        s.mem_reported = None
+        self._apply_limits(s, reply.core_limit, reply.mem_limit)
         s.state = "idle"
         s.drop_pending = None
         self._sessions[s.id] = s
@@ -405,6 +503,14 @@ class Client:
                         s.state, s.drop_pending = "idle", None
                         s.revocations += 1
                         log.warning("gpud revoked the GPU lock of session %d (%s)", sid, reason)
+                case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
+                    s = self._sessions.get(sid)
+                    if s is not None:
+                        self._apply_limits(s, core, mem)
+                case p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit):
+                    s = self._sessions.get(sid)
+                    if s is not None:
+                        s.mem_error = MemoryLimitExceeded(sid, used, limit)
                 case p.SchedState(gpu=gpu, on=on):
                     self.scheduler_on[gpu] = on
                 case p.Error(id=rid) if rid is not None and rid in self._lock_requests:
@@ -459,7 +565,7 @@ class Client:
                 conn = Connection(self.path)
                 welcome = conn.hello(self.name, self.labels)
                 attached = [
-                    (s, conn.call(p.Attach(id=conn.next_id(), gpu=s.gpu_ref, priority=s.priority)))
+                    (s, conn.call(msgspec.structs.replace(self._attach_msg(s), id=conn.next_id())))
                     for s in list(self._all)
                 ]
             except GpudError:

@@ -31,3 +31,17 @@ def error_from(code: ErrorCode | str, message: str) -> ProtocolError:
     if code == ErrorCode.PERMISSION_DENIED:
         return PermissionDenied(code, message)
     return ProtocolError(code, message)
+
+
+class MemoryLimitExceeded(GpudError):
+    """The session's reported GPU memory went above its limit.
+
+    Raised in the application at its next ``slice()``; the daemon counts it."""
+
+    def __init__(self, session: int, used_bytes: int, limit_bytes: int) -> None:
+        super().__init__(
+            f"session {session} uses {used_bytes} bytes of GPU memory, above its limit of {limit_bytes} bytes"
+        )
+        self.session = session
+        self.used_bytes = used_bytes
+        self.limit_bytes = limit_bytes

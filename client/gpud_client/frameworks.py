@@ -1,0 +1,47 @@
+"""Framework hooks: enforce a session's memory limit where the framework can.
+
+Only frameworks the application has already imported are touched: gpud_client
+never imports torch itself (an inference process that does not use it must not
+pay for it). ``torch`` may be passed in, so tests can use a stand-in.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def loaded_torch_with_cuda() -> Any | None:
+    """The application's torch module if it is imported and sees a GPU."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def apply_torch_memory_limit(limit_bytes: int | None, device: int | None = None, torch: Any = None) -> float | None:
+    """Cap PyTorch's caching allocator at ``limit_bytes`` on ``device``.
+
+    Uses ``torch.cuda.set_per_process_memory_fraction``; None lifts the cap.
+    Returns the fraction set, or None when torch with CUDA is not in use."""
+    torch = torch if torch is not None else loaded_torch_with_cuda()
+    if torch is None:
+        return None
+    dev = torch.cuda.current_device() if device is None else device
+    total = torch.cuda.get_device_properties(dev).total_memory
+    fraction = 1.0 if limit_bytes is None else max(0.0, min(1.0, limit_bytes / total))
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    return fraction
+
+
+def torch_memory_probe(device: int | None = None, torch: Any = None) -> Callable[[], int] | None:
+    """A callable returning the bytes PyTorch holds on ``device``, or None."""
+    torch = torch if torch is not None else loaded_torch_with_cuda()
+    if torch is None:
+        return None
+    dev = torch.cuda.current_device() if device is None else device
+    return lambda: int(torch.cuda.memory_reserved(dev))
