@@ -77,6 +77,7 @@ class RevokeReason(enum.StrEnum):
     """Why a lock was taken away without the holder's LOCK_RELEASED."""
 
     DROP_TIMEOUT = "drop_timeout"  # DROP_LOCK ignored past drop_timeout
+    HOLD_MAX = "hold_max"  # a lease held past hold_max, with forced release configured
 
 
 class Mode(enum.StrEnum):
@@ -85,6 +86,26 @@ class Mode(enum.StrEnum):
     SERIAL = "serial"  # one holder at a time (nvshare's anti-thrashing mode)
     CONCURRENT = "concurrent"  # holders whose memory fits together
     AUTO = "auto"  # concurrent while memory fits; drops sessions on overflow
+
+
+class BusyPolicy(enum.StrEnum):
+    """What a lease that cannot have the GPU answers (GpuArbiter)."""
+
+    WAIT = "WAIT"  # wait up to max_wait; answers SKIPPED if it never gets it
+    SKIP = "SKIP"  # answers SKIPPED: the caller passes (e.g. no semantic repair)
+    FALLBACK_CPU = "FALLBACK_CPU"  # answers FALLBACK_CPU: the caller runs on the CPU
+
+
+class LeaseStatus(enum.StrEnum):
+    ACQUIRED = "ACQUIRED"
+    SKIPPED = "SKIPPED"
+    FALLBACK_CPU = "FALLBACK_CPU"
+
+
+class LeaseReason(enum.StrEnum):
+    GPU_BUSY = "GPU_BUSY"  # max_wait 0 and the GPU is not free now
+    QUEUE_FULL = "QUEUE_FULL"  # queue_limit waiters already on arrival
+    TIMEOUT = "TIMEOUT"  # still waiting at max_wait
 
 
 class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):

@@ -23,6 +23,12 @@ Rules kept here:
 - Scheduler off (SCHED_OFF): every request is granted at once, the queue is
   emptied, nothing is dropped or throttled; accounting still runs.
 - Detaching (a closed connection) frees the lock and the queue place at once.
+- Leases (GpuArbiter) share the queue, the modes and memory admission; they
+  are never dropped (no TQ, no quota, no preemption, no memory drops). One
+  that cannot have the GPU at once is refused on arrival when its max_wait is
+  0 (GPU_BUSY) or queue_limit waiters are already queued (QUEUE_FULL), and
+  removed at max_wait (TIMEOUT). A lease held past hold_max is reported once
+  (the watchdog) and, if configured, released by force.
 
 Every call takes ``now`` (integer microseconds) and returns effects for the
 shell to carry out; ``next_deadline()`` says when to call ``advance``. A refused
@@ -39,9 +45,20 @@ from dataclasses import dataclass, field, replace
 
 from gpud.core.quota import ComputeAccounts, QuotaConfig
 from gpud.core.snapshots import HolderView, SchedulerView, SessionView, WaiterView
-from gpud_client.protocol import DropReason, ErrorCode, Mode, RevokeReason
+from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode, RevokeReason
 
-__all__ = ["Drop", "Effect", "GpuScheduler", "Grant", "MemOverLimit", "Refused", "Revoke", "SchedulerConfig"]
+__all__ = [
+    "Drop",
+    "Effect",
+    "GpuScheduler",
+    "Grant",
+    "HoldOverdue",
+    "LeaseDenied",
+    "MemOverLimit",
+    "Refused",
+    "Revoke",
+    "SchedulerConfig",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +88,24 @@ class MemOverLimit:
     limit_bytes: int
 
 
-Effect = Grant | Drop | Revoke | MemOverLimit
+@dataclass(frozen=True, slots=True)
+class LeaseDenied:
+    """The lease did not get the GPU and is gone."""
+
+    session: int
+    reason: LeaseReason
+
+
+@dataclass(frozen=True, slots=True)
+class HoldOverdue:
+    """Watchdog: a lease has been held past its hold_max (reported once)."""
+
+    session: int
+    held_us: int
+    forced: bool  # released by force (lease_force_release)
+
+
+Effect = Grant | Drop | Revoke | MemOverLimit | LeaseDenied | HoldOverdue
 
 
 class Refused(Exception):
@@ -91,6 +125,7 @@ class SchedulerConfig:
     memory_total_bytes: int = 80 * 2**30
     memory_reserve_percent: int = 10
     quota: QuotaConfig = QuotaConfig()
+    lease_force_release: bool = False
 
 
 @dataclass(slots=True)
@@ -101,6 +136,10 @@ class _Session:
     mem_used: int | None = None
     mem_limit: int | None = None
     mem_over: bool = False
+    lease: bool = False
+    wait_deadline: int | None = None  # a waiting lease's max_wait
+    hold_max_us: int | None = None  # a lease's watchdog
+    overdue: bool = False
     state: str = "idle"  # idle | waiting | holding
     requested_at: int = 0
     grant: int = 0
@@ -152,17 +191,11 @@ class GpuScheduler:
         return self._settle(now)
 
     def detach(self, session: int, now: int) -> list[Effect]:
-        s = self._get(session)
-        if s.state == "holding":
-            self._end_hold(s, now)
-        elif s.state == "waiting":
-            self._queue = [e for e in self._queue if e[2] != s.id]
-        del self._sessions[session]
-        self._acc.remove(session, now)
+        self._forget(self._get(session), now)
         return self._settle(now)
 
     def request(self, session: int, now: int) -> list[Effect]:
-        s = self._get(session)
+        s = self._get_session(session)
         if s.state != "idle":
             raise Refused(ErrorCode.ALREADY_REQUESTED, f"session {session} is already {s.state}")
         s.state = "waiting"
@@ -171,7 +204,7 @@ class GpuScheduler:
         return self._settle(now)
 
     def release(self, session: int, now: int, *, grant: int | None = None) -> list[Effect]:
-        s = self._get(session)
+        s = self._get_session(session)
         if s.state != "holding":
             raise Refused(ErrorCode.NOT_HOLDER, f"session {session} does not hold the lock (it is {s.state})")
         if grant is not None and grant != s.grant:
@@ -179,11 +212,44 @@ class GpuScheduler:
         self._end_hold(s, now)
         return self._settle(now)
 
+    def acquire_lease(
+        self,
+        lease: int,
+        now: int,
+        *,
+        priority: int,
+        max_wait_us: int,
+        hold_max_us: int,
+        queue_limit: int,
+        mem_estimate: int | None = None,
+    ) -> list[Effect]:
+        """One acquire: granted now, queued until max_wait, or denied now."""
+        if lease in self._sessions:
+            raise Refused(ErrorCode.INVALID, f"lease {lease} already exists")
+        s = _Session(lease, priority, mem_estimate=mem_estimate, lease=True, hold_max_us=hold_max_us)
+        if self._enabled and not self._admissible_now(s):
+            if max_wait_us == 0:
+                return [LeaseDenied(lease, LeaseReason.GPU_BUSY), *self._settle(now)]
+            if len(self._queue) >= queue_limit:
+                return [LeaseDenied(lease, LeaseReason.QUEUE_FULL), *self._settle(now)]
+        self._sessions[lease] = s
+        self._acc.add(lease, 100, now)  # billed like any holder, no limit of its own
+        s.state, s.requested_at, s.wait_deadline = "waiting", now, now + max_wait_us
+        bisect.insort(self._queue, (-priority, next(self._seq), lease))
+        return self._settle(now)
+
+    def release_lease(self, lease: int, now: int) -> list[Effect]:
+        """Give a lease back (or withdraw a waiting one); it is gone after."""
+        s = self._get(lease)
+        if not s.lease:
+            raise Refused(ErrorCode.INVALID, f"{lease} is a session, not a lease")
+        return self.detach(lease, now)
+
     def set_limits(
         self, session: int, now: int, *, core_limit: int | None = None, mem_limit: int | None = None
     ) -> list[Effect]:
         """Change limits at run time; the window's use is kept."""
-        s = self._get(session)
+        s = self._get_session(session)
         if core_limit is not None:
             _check_limit(core_limit)
             self._acc.set_limit(session, core_limit, now)
@@ -230,10 +296,17 @@ class GpuScheduler:
         if self._enabled:
             blocked = self._blocked_waiter() is not None
             for s in self._running.values():
-                if s.drop_reason is not None:
+                if s.lease:
+                    if not s.overdue and s.hold_max_us is not None:
+                        times.append(s.granted_at + s.hold_max_us)
+                elif s.drop_reason is not None:
                     times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
                 elif blocked and not s.tq_dropped:
                     times.append(s.granted_at + self._cfg.tq_us)
+            for _, _, sid in self._queue:
+                deadline = self._sessions[sid].wait_deadline
+                if deadline is not None:
+                    times.append(deadline)
         quota = self._acc.next_deadline()
         if quota is not None:
             times.append(quota)
@@ -317,6 +390,12 @@ class GpuScheduler:
         except KeyError:
             raise Refused(ErrorCode.UNKNOWN_SESSION, f"no session {session} on this GPU") from None
 
+    def _get_session(self, session: int) -> _Session:
+        s = self._get(session)
+        if s.lease:
+            raise Refused(ErrorCode.INVALID, f"{session} is a lease: it has no lock requests or limits of its own")
+        return s
+
     def _capacity(self) -> int:
         return self._cfg.memory_total_bytes * (100 - self._cfg.memory_reserve_percent) // 100
 
@@ -356,11 +435,45 @@ class GpuScheduler:
         self._acc.settle(now)
         self._revoke_unresponsive(now, effects)
         if self._enabled:
+            self._watch_leases(now, effects)
             self._drop_exhausted(now, effects)
             self._drop_memory_overflow(now, effects)
         self._admit(now, effects)
+        self._expire_waits(now, effects)
+        self._admit(now, effects)
         self._drop_expired(now, effects)
         return effects
+
+    def _watch_leases(self, now: int, effects: list[Effect]) -> None:
+        for s in list(self._running.values()):
+            if s.lease and not s.overdue and s.hold_max_us is not None and now >= s.granted_at + s.hold_max_us:
+                s.overdue = True
+                forced = self._cfg.lease_force_release
+                effects.append(HoldOverdue(s.id, now - s.granted_at, forced))
+                if forced:
+                    effects.append(Revoke(s.id, s.grant, RevokeReason.HOLD_MAX))
+                    self._forget(s, now)
+
+    def _expire_waits(self, now: int, effects: list[Effect]) -> None:
+        for _, _, sid in list(self._queue):
+            s = self._sessions[sid]
+            if s.wait_deadline is not None and now >= s.wait_deadline:
+                effects.append(LeaseDenied(sid, LeaseReason.TIMEOUT))
+                self._forget(s, now)
+
+    def _forget(self, s: _Session, now: int) -> None:
+        """Out of the running set or the queue, and out of the accounts."""
+        if s.state == "holding":
+            self._end_hold(s, now)
+        elif s.state == "waiting":
+            self._queue = [e for e in self._queue if e[2] != s.id]
+        del self._sessions[s.id]
+        self._acc.remove(s.id, now)
+
+    def _admissible_now(self, s: _Session) -> bool:
+        """Would ``s`` be granted at once if it joined the queue now?"""
+        ahead = self._blocked_waiter()
+        return (ahead is None or ahead.priority < s.priority) and self._fits(s)
 
     def _revoke_unresponsive(self, now: int, effects: list[Effect]) -> None:
         for s in list(self._running.values()):
@@ -382,7 +495,7 @@ class GpuScheduler:
             return
         staying = [s for s in self._running.values() if s.drop_reason is None]
         overflow = sum(self._need(s) for s in staying) - self._capacity()
-        for s in sorted(staying, key=lambda s: (s.priority, -s.granted_at)):
+        for s in sorted((s for s in staying if not s.lease), key=lambda s: (s.priority, -s.granted_at)):
             if overflow <= 0 or len(staying) <= 1:
                 return
             self._drop(s, DropReason.MEMORY, now, effects)
@@ -397,12 +510,7 @@ class GpuScheduler:
         return None
 
     def _fits(self, s: _Session) -> bool:
-        if not self._enabled or not self._running:
-            return True
-        if self._cfg.mode == Mode.SERIAL:
-            return False
-        in_use = sum(self._need(r) for r in self._running.values())
-        return in_use + self._need(s) <= self._capacity()
+        return not self._enabled or self._fits_beside(s, list(self._running.values()))
 
     def _admit(self, now: int, effects: list[Effect]) -> None:
         while (s := self._next_admissible()) is not None:
@@ -430,24 +538,31 @@ class GpuScheduler:
     def _preempt_for(self, waiter: _Session, now: int, effects: list[Effect]) -> None:
         """Drop lower-priority holders, lowest first, if that lets ``waiter`` in."""
         staying = [s for s in self._running.values() if s.drop_reason is None]
-        victims = sorted((s for s in staying if s.priority < waiter.priority), key=lambda s: (s.priority, -s.granted_at))
+        if self._fits_beside(waiter, staying):
+            return  # enough is already on its way out
+        victims = sorted(
+            (s for s in staying if s.priority < waiter.priority and not s.lease), key=lambda s: (s.priority, -s.granted_at)
+        )
         chosen: list[_Session] = []
         for v in victims:
             chosen.append(v)
-            rest = [s for s in staying if s not in chosen]
-            if not rest or (
-                self._cfg.mode != Mode.SERIAL
-                and sum(self._need(s) for s in rest) + self._need(waiter) <= self._capacity()
-            ):
+            if self._fits_beside(waiter, [s for s in staying if s not in chosen]):
                 for c in chosen:
                     self._drop(c, DropReason.PREEMPT, now, effects)
                 return
+
+    def _fits_beside(self, waiter: _Session, holders: list[_Session]) -> bool:
+        if not holders:
+            return True
+        if self._cfg.mode == Mode.SERIAL:
+            return False
+        return sum(self._need(s) for s in holders) + self._need(waiter) <= self._capacity()
 
     def _drop_expired(self, now: int, effects: list[Effect]) -> None:
         if not self._enabled or self._blocked_waiter() is None:
             return
         for s in self._running.values():
-            if s.drop_reason is None and not s.tq_dropped and now >= s.granted_at + self._cfg.tq_us:
+            if not s.lease and s.drop_reason is None and not s.tq_dropped and now >= s.granted_at + self._cfg.tq_us:
                 s.tq_dropped = True
                 self._drop(s, DropReason.TQ, now, effects)
 

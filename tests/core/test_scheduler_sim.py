@@ -14,7 +14,18 @@ from collections.abc import Callable
 import pytest
 
 from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
+from gpud.core.scheduler import (
+    Drop,
+    Effect,
+    Grant,
+    GpuScheduler,
+    HoldOverdue,
+    LeaseDenied,
+    MemOverLimit,
+    Refused,
+    Revoke,
+    SchedulerConfig,
+)
 from gpud_client.protocol import DropReason, Mode
 
 from .statecheck import state_of
@@ -31,6 +42,7 @@ class Model:
             drop_timeout_us=20 * MS,
             memory_total_bytes=16 * GIB,
             quota=QuotaConfig(window_us=100 * MS, carryover_percent=0, sample_interval_us=10 * MS),
+            lease_force_release=seed % 2 == 1,
         )
         self.s = GpuScheduler(cfg)
         self.now = 0
@@ -41,6 +53,7 @@ class Model:
         self.tq_dropped: set[int] = set()
         self.grant_order: list[int] = []
         self.stubborn: set[int] = set()
+        self.leases: set[int] = set()
         self.settled = False
 
     def step(self) -> None:
@@ -55,8 +68,10 @@ class Model:
             sid = self.pick()
             if sid not in self.stubborn or self.rng.random() < 0.1:
                 self.call(lambda: self.s.release(sid, self.now))
-        elif r < 0.66:
+        elif r < 0.63:
             self.detach()
+        elif r < 0.66:
+            self.acquire_lease()
         elif r < 0.70:
             self.call(lambda: self.s.set_limits(self.pick(), self.now, core_limit=self.rng.choice([10, 30, 100, 0])))
         elif r < 0.75:
@@ -91,6 +106,23 @@ class Model:
         if self.rng.random() < 0.2:
             self.stubborn.add(sid)
 
+    def acquire_lease(self) -> None:
+        sid = self.next_id
+        self.next_id += 1
+        self.attached.add(sid)
+        self.leases.add(sid)
+        self.call(
+            lambda: self.s.acquire_lease(
+                sid,
+                self.now,
+                priority=self.rng.choice([20, 50, 90]),
+                max_wait_us=self.rng.choice([0, 5 * MS, 50 * MS]),
+                hold_max_us=self.rng.choice([10 * MS, 100 * MS]),
+                queue_limit=self.rng.choice([0, 2, 8]),
+                mem_estimate=self.rng.choice([None, GIB]),
+            )
+        )
+
     def detach(self) -> None:
         sid = self.pick()
         effects = self.s.detach(sid, self.now)
@@ -104,6 +136,8 @@ class Model:
     def forget(self, sid: int) -> None:
         grant = self.granted.pop(sid, None)
         self.pending_drop.discard(grant or 0)
+        if sid in self.leases and sid not in self.s.holders() and sid not in self.s.queue():
+            self.attached.discard(sid)  # a lease that is neither held nor waiting is gone
 
     def call(self, fn: Callable[[], list[Effect]]) -> None:
         before = state_of(self.s)
@@ -125,6 +159,7 @@ class Model:
                 self.granted[e.session] = e.grant
                 self.grant_order.append(e.grant)
             elif isinstance(e, Drop):
+                assert e.session not in self.leases, "a lease was dropped"
                 assert self.granted.get(e.session) == e.grant, "drop aimed at a grant that is not current"
                 assert e.grant not in self.pending_drop, "a second drop before the first was answered"
                 self.pending_drop.add(e.grant)
@@ -136,8 +171,13 @@ class Model:
                 self.forget(e.session)
             elif isinstance(e, MemOverLimit):
                 assert e.used_bytes > e.limit_bytes
+            elif isinstance(e, LeaseDenied):
+                assert e.session in self.leases and e.session not in self.granted
+                self.attached.discard(e.session)
+            elif isinstance(e, HoldOverdue):
+                assert e.session in self.leases
         for sid in list(self.granted):
-            if self.s.session(sid, self.now).state != "holding":
+            if sid not in self.s.holders():
                 self.forget(sid)
         if not self.s.enabled:  # switching off cancels pending drops
             self.pending_drop.clear()
