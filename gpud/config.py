@@ -1,18 +1,40 @@
 """Daemon configuration: one frozen, typed Config with every default.
 
-Flags fill it in (``gpud.main``); the core only ever sees the numbers it needs.
+Sources, later ones winning: the defaults here, the TOML file (``--config``,
+default /etc/gpud/gpud.toml when it exists), ``GPUD_<KEY>`` environment
+variables, then command-line flags. A bad value stops start-up with a
+``ConfigError`` naming the source, the key and what was expected.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from gpud_client.protocol import DEFAULT_SOCKET, MAX_FRAME_BYTES, Mode
+from gpud.core.leases import DEFAULT_HOLD_MAX_MS, DEFAULT_POLICIES, DEFAULT_QUEUE_LIMIT, LeasePolicy
+from gpud_client.protocol import DEFAULT_SOCKET, MAX_FRAME_BYTES, BusyPolicy, Mode
 
+DEFAULT_CONFIG_PATH = "/etc/gpud/gpud.toml"
+DEFAULT_METRICS_ADDR = "127.0.0.1:9402"
 LogLevel = Literal["debug", "info", "warning", "error"]
+Percent = Annotated[int, Meta(ge=0, le=100)]
+
+
+class ConfigError(Exception):
+    """A configuration value is wrong; the message names where and which."""
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    priority: Annotated[int, Meta(ge=0, le=100)]
+    busy_policy: BusyPolicy
+    max_wait_ms: Annotated[int, Meta(ge=0, le=86_400_000)]
+    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
+    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -28,11 +50,92 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # bench/quota_accuracy.py (the smallest error); see the README.
     compute_window_s: Annotated[float, Meta(ge=0.1, le=60)] = 2.0
     quota_sample_interval_s: Annotated[float, Meta(ge=0.001, le=1)] = 0.05
-    quota_carryover_percent: Annotated[int, Meta(ge=0, le=100)] = 100
-    drop_tail_billing_percent: Annotated[int, Meta(ge=0, le=100)] = 100
+    quota_carryover_percent: Percent = 100
+    drop_tail_billing_percent: Percent = 100
     share_windows: Annotated[int, Meta(ge=1, le=1000)] = 10
+    # Leases (GpuArbiter)
+    lease_queue_limit: Annotated[int, Meta(ge=0, le=100_000)] = DEFAULT_QUEUE_LIMIT
+    lease_hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] = DEFAULT_HOLD_MAX_MS
+    lease_force_release: bool = False
+    policies: dict[str, PolicyConfig] = {}
+    # Operations
+    metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 2**20)] = MAX_FRAME_BYTES
     # Pushes queued for a client that does not read; past this it is disconnected.
     outbox_messages: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
     log_level: LogLevel = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
+
+    def lease_policies(self) -> dict[str, LeasePolicy]:
+        """The built-in task-type policies with the configured ones on top."""
+        merged = dict(DEFAULT_POLICIES)
+        for name, pc in self.policies.items():
+            merged[name] = LeasePolicy(pc.priority, pc.busy_policy, pc.max_wait_ms, pc.queue_limit, pc.hold_max_ms)
+        return merged
+
+
+FIELDS = set(Config.__struct_fields__)
+
+
+def parse_metrics_addr(value: str) -> tuple[str, int] | None:
+    """'127.0.0.1:9402' -> (host, port); 'off' or '' -> None."""
+    if value.strip().lower() in ("", "off", "none", "false"):
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"metrics_addr must be HOST:PORT or off, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def read_file(path: str | None) -> dict[str, Any]:
+    """The TOML file's table; {} when no file was named and the default is absent."""
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
+            return {}
+        path = DEFAULT_CONFIG_PATH
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} in {path} (known keys: {', '.join(sorted(FIELDS))})")
+    _check(data, f"config file {path}")
+    return data
+
+
+def read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """GPUD_<KEY> for every scalar key (GPUD_SOCKET is the socket path)."""
+    out: dict[str, Any] = {}
+    for key in FIELDS - {"policies"}:
+        raw = environ.get(f"GPUD_{key.upper()}")
+        if raw is None:
+            continue
+        try:
+            out[key] = msgspec.convert({key: raw}, Config, strict=False).__getattribute__(key)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"bad value for GPUD_{key.upper()}={raw!r}: {exc}") from None
+    return out
+
+
+def build(file_values: dict[str, Any], env_values: dict[str, Any], flag_values: dict[str, Any]) -> Config:
+    merged = {**file_values, **env_values, **flag_values}
+    config = _check(merged, "configuration")
+    parse_metrics_addr(config.metrics_addr)
+    return config
+
+
+def load(
+    path: str | None, flag_values: dict[str, Any], environ: Mapping[str, str] | None = None
+) -> Config:
+    return build(read_file(path), read_environment(os.environ if environ is None else environ), flag_values)
+
+
+def _check(values: dict[str, Any], source: str) -> Config:
+    try:
+        return msgspec.convert(values, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad value in {source}: {exc}") from None

@@ -7,22 +7,24 @@ import os
 import signal
 import sys
 
-import msgspec
 import structlog
 import trio
+from prometheus_client import CollectorRegistry, start_http_server
 
 from gpud import __version__
-from gpud.config import Config
+from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_metrics_addr, read_environment, read_file
 from gpud.devices import discover
 from gpud.logging import configure_logging
+from gpud.metrics import Metrics
 from gpud.server import Daemon, open_listener, serve
-from gpud_client.protocol import SOCKET_ENV, resolve_socket_path
 
 log = structlog.get_logger("gpud")
 
 
-# (flag, Config field, type, metavar, help); a flag left out keeps the default.
+# (flag, Config field, type, metavar, help); a flag left out keeps the file's,
+# the environment's or the default value.
 _OPTIONS: list[tuple[str, str, type, str, str]] = [
+    ("--socket", "socket", str, "PATH", "Unix socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)"),
     ("--simulate", "simulate", str, "N[xSIZE]", "run on N simulated GPUs, e.g. 2 or 2x80GiB"),
     ("--tq", "tq_s", float, "SECONDS", "time quantum (default 30)"),
     ("--drop-timeout", "drop_timeout_s", float, "SECONDS", "revoke a holder ignoring DROP_LOCK this long (10)"),
@@ -33,6 +35,7 @@ _OPTIONS: list[tuple[str, str, type, str, str]] = [
     ("--carryover", "quota_carryover_percent", int, "PERCENT", "overshoot carried into the next window (100)"),
     ("--drop-tail", "drop_tail_billing_percent", int, "PERCENT", "billing rate between DROP_LOCK and release (100)"),
     ("--share-windows", "share_windows", int, "N", "windows in the recent-share figure (10)"),
+    ("--metrics-addr", "metrics_addr", str, "HOST:PORT", "Prometheus endpoint, or off (127.0.0.1:9402)"),
     ("--log-level", "log_level", str, "LEVEL", "debug, info, warning or error (default info)"),
     ("--log-format", "log_format", str, "FORMAT", "auto, json or console (default auto)"),
 ]
@@ -40,24 +43,42 @@ _OPTIONS: list[tuple[str, str, type, str, str]] = [
 
 def parse_args(argv: list[str] | None) -> Config:
     ap = argparse.ArgumentParser(prog="gpud", description="Share this node's GPUs among processes.")
-    ap.add_argument("--socket", help=f"Unix socket path (default: ${SOCKET_ENV} or /run/gpud/gpud.sock)")
+    ap.add_argument("--config", metavar="PATH", help=f"TOML configuration (default: {DEFAULT_CONFIG_PATH} if present)")
     for flag, key, kind, metavar, text in _OPTIONS:
         ap.add_argument(flag, dest=key, type=kind, metavar=metavar, help=text)
     ap.add_argument("--version", action="version", version=f"gpud {__version__}")
     args = ap.parse_args(argv)
     values = {key: getattr(args, key) for _, key, *_ in _OPTIONS if getattr(args, key) is not None}
-    values["socket"] = resolve_socket_path(args.socket)
     try:
-        return msgspec.convert(values, Config)
-    except msgspec.ValidationError as exc:
-        flag = next((f for f, key, *_ in _OPTIONS if f"$.{key}" in str(exc)), None)
-        ap.error(f"bad value for {flag}: {exc}" if flag else f"bad option: {exc}")
+        file_values = read_file(args.config)
+        env_values = read_environment(os.environ)
+        try:
+            return build(file_values, env_values, values)
+        except ConfigError as exc:
+            flag = next((f for f, key, *_ in _OPTIONS if f"$.{key}`" in str(exc) and key in values), None)
+            raise ConfigError(f"bad value for {flag}: {str(exc).split(': ', 1)[1]}" if flag else str(exc)) from None
+    except ConfigError as exc:
+        ap.error(str(exc))
         raise  # unreachable: ap.error exits
+
+
+def start_metrics(config: Config, registry: CollectorRegistry) -> None:
+    addr = parse_metrics_addr(config.metrics_addr)
+    if addr is None:
+        return
+    host, port = addr
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve metrics on {config.metrics_addr}: {exc.strerror or exc}") from None
+    log.info("metrics_listening", addr=host, port=server.server_port)
 
 
 async def run(config: Config) -> None:
     gpus = discover(config.simulate)
-    daemon = Daemon(config, gpus)
+    registry = CollectorRegistry()
+    daemon = Daemon(config, gpus, Metrics(registry))
+    start_metrics(config, registry)
     listener = await open_listener(config)
     try:
         async with trio.open_nursery() as nursery:

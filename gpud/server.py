@@ -31,11 +31,13 @@ import msgspec
 import structlog
 import trio
 
+from gpud.arbiter import Arbiter
 from gpud.config import Config
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
 from gpud.devices import Gpu
+from gpud.metrics import Metrics
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
 
@@ -76,8 +78,9 @@ class GpuSlot:
 class Daemon:
     """State shared by every connection: GPUs, schedulers, who owns what."""
 
-    def __init__(self, config: Config, gpus: list[Gpu]) -> None:
+    def __init__(self, config: Config, gpus: list[Gpu], metrics: Metrics) -> None:
         self.config = config
+        self.metrics = metrics
         self.started_at = now_us()
         self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
@@ -87,6 +90,7 @@ class Daemon:
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
         self.daemon_uid = os.getuid()
+        self.arbiter = Arbiter(self, metrics, config.lease_policies())
 
     # --- plumbing -----------------------------------------------------------
 
@@ -125,22 +129,28 @@ class Daemon:
     def targets(self, ref: int | str | None) -> list[GpuSlot]:
         return self.slots if ref is None else [self.slots[self.gpu_index(ref)]]
 
-    def carry_out(self, slot: GpuSlot, effects: list[Effect]) -> None:
+    def carry_out(self, slot: GpuSlot, effects: list[Effect], now: int | None = None) -> None:
         """Execute the scheduler's decisions and re-arm its timer."""
         gpu = slot.gpu.index
         for e in effects:
+            if self.arbiter.owns(e.session):
+                self.arbiter.carry_out(slot, e, now_us() if now is None else now)
+                continue
             owner = self.owners.get(e.session)
             if owner is None:
                 continue
             match e:
                 case Grant(session=sid, grant=g):
                     log.debug("lock_granted", gpu=gpu, session=sid, grant=g, client=owner.client_id)
+                    self.metrics.lock_grants.labels(gpu).inc()
                     self.send(owner, p.LockOk(session=sid, grant=g))
                 case Drop(session=sid, grant=g, reason=r):
                     log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
+                    self.metrics.lock_drops.labels(gpu, str(r)).inc()
                     self.send(owner, p.DropLock(session=sid, grant=g, reason=r))
                 case Revoke(session=sid, grant=g, reason=r):
                     log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
+                    self.metrics.lock_revocations.labels(gpu, str(r)).inc()
                     self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
                 case MemOverLimit(session=sid, used_bytes=used, limit_bytes=limit):
                     log.warning("memory_limit_exceeded", gpu=gpu, session=sid, pid=owner.pid, used_bytes=used,
@@ -172,6 +182,7 @@ class Daemon:
             effects = slot.scheduler.detach(sid, now)
             self.owners.pop(sid, None)
             self.carry_out(slot, effects)
+        self.arbiter.connection_closed(conn, now)
         conn.sessions.clear()
         if conn.greeted:
             log.info("client_detached", client=conn.client_id, pid=conn.pid, name=conn.name)
@@ -209,6 +220,8 @@ class Daemon:
                 log.info("mode_set", gpus=[s.gpu.index for s in slots], mode=str(mode), by_pid=conn.pid)
                 return p.Ok(id=msg.id)
             case p.Detach(session=sid):
+                if self.arbiter.owns(sid):
+                    raise Refused(p.ErrorCode.INVALID, f"{sid} is a lease: give it back with RELEASE")
                 slot = self.owned(conn, sid)
                 effects = slot.scheduler.detach(sid, now)
                 del conn.sessions[sid]
@@ -232,6 +245,28 @@ class Daemon:
                     self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now))
                 log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
                 return p.Ok(id=msg.id)
+            case p.Acquire():
+                self.arbiter.acquire(conn, msg, next(self._session_ids), now)
+                return None  # LEASE_RESULT comes from the arbiter, now or later
+            case p.Release(lease_id=lease_id):
+                self.arbiter.release(conn, lease_id, now)
+                return p.Ok(id=msg.id)
+            case p.ReportOom(gpu=ref, task_type=task):
+                gpu = self.gpu_index(ref)
+                self.metrics.oom.labels(gpu, task).inc()
+                log.info("gpu_oom_reported", gpu=gpu, task_type=task, pid=conn.pid, client=conn.client_id)
+                return p.Ok(id=msg.id)
+            case p.ListLeases():
+                self.settle_all(now)
+                return p.LeasesReply(id=msg.id, leases=self.arbiter.infos(now))
+            case p.SetPolicy():
+                self.require_admin(conn, msg)
+                policy = self.arbiter.set_policy(msg)
+                log.info("policy_set", task_type=msg.task_type, priority=policy.priority,
+                         busy_policy=str(policy.busy_policy), max_wait_ms=policy.max_wait_ms, by_pid=conn.pid)
+                return p.Ok(id=msg.id)
+            case p.ListPolicies():
+                return p.PoliciesReply(id=msg.id, policies=self.arbiter.policy_infos())
             case p.Status():
                 self.settle_all(now)
                 return status_reply(self, msg.id, now)
@@ -288,7 +323,7 @@ class Daemon:
         gpu = None if msg.gpu is None else self.gpu_index(msg.gpu)
         chosen = [
             (sid, g) for sid, g in target.sessions.items()
-            if (gpu is None or g == gpu) and (msg.session is None or sid == msg.session)
+            if (gpu is None or g == gpu) and (msg.session is None or sid == msg.session) and not self.arbiter.owns(sid)
         ]
         if not chosen:
             raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")

@@ -28,7 +28,8 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 10.0) -> DaemonProcess:
-        cmd = [sys.executable, "-m", "gpud.main", "--socket", self.socket, "--log-format", "json", *self.args]
+        extra = [] if any(a.startswith("--metrics-addr") for a in self.args) else ["--metrics-addr", "off"]
+        cmd = [sys.executable, "-m", "gpud.main", "--socket", self.socket, "--log-format", "json", *extra, *self.args]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()

@@ -41,6 +41,9 @@ GpuRef = Union[Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_leng
 Seconds = Annotated[float, Meta(gt=0, le=86400)]
 CoreLimit = Annotated[int, Meta(ge=1, le=100)]  # percent of GPU time; 100 = unlimited
 Bytes = Annotated[int, Meta(ge=0, le=2**62)]
+Millis = Annotated[int, Meta(ge=0, le=86_400_000)]
+TaskType = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+LeaseId = Annotated[str, Meta(min_length=1, max_length=64)]
 ClientRef = Union[Annotated[int, Meta(ge=1)], Annotated[str, Meta(min_length=1, max_length=128)]]
 
 
@@ -177,6 +180,67 @@ class SetLimits(_Msg, tag="SET_LIMITS", frozen=True):
     mem_limit: Bytes | None = None
 
 
+class Trace(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where a lease comes from, for its log line. Never a metric label."""
+
+    job_id: Name | None = None
+    session_id: Name | None = None
+    utterance_index: Annotated[int, Meta(ge=0)] | None = None
+    stage: Name | None = None
+
+
+class Acquire(_Msg, tag="ACQUIRE", frozen=True):
+    """Ask for a lease (GpuArbiter). Fields left out come from the task type's
+    policy. Answered by LEASE_RESULT once it is decided: at once, or when the
+    GPU frees up, or at max_wait."""
+
+    id: RequestId
+    gpu: GpuRef
+    task_type: TaskType = "OTHER"
+    priority: Priority | None = None
+    max_wait_ms: Millis | None = None
+    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
+    busy_policy: BusyPolicy | None = None
+    mem_estimate: Bytes | None = None
+    trace: Trace = Trace()
+
+
+class Release(_Msg, tag="RELEASE", frozen=True):
+    """Give a lease back. Idempotent: a lease already gone answers OK."""
+
+    id: RequestId
+    lease_id: LeaseId
+
+
+class ReportOom(_Msg, tag="REPORT_OOM", frozen=True):
+    """The client ran out of GPU memory (counted per GPU and task type)."""
+
+    id: RequestId
+    gpu: GpuRef
+    task_type: TaskType = "OTHER"
+
+
+class ListLeases(_Msg, tag="LEASES", frozen=True):
+    id: RequestId
+
+
+class SetPolicy(_Msg, tag="SET_POLICY", frozen=True):
+    """Change (or create) a task type's lease policy; unset fields are kept."""
+
+    id: RequestId
+    task_type: TaskType
+    priority: Priority | None = None
+    busy_policy: BusyPolicy | None = None
+    max_wait_ms: Millis | None = None
+    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
+    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+
+
+class ListPolicies(_Msg, tag="POLICIES", frozen=True):
+    id: RequestId
+
+
 class SetMode(_Msg, tag="SET_MODE", frozen=True):
     id: RequestId
     mode: Mode
@@ -216,6 +280,12 @@ ClientMessage = Union[
     MemUpdate,
     SetLimits,
     SetMode,
+    Acquire,
+    Release,
+    ReportOom,
+    ListLeases,
+    SetPolicy,
+    ListPolicies,
     SchedOn,
     SchedOff,
     SetTq,
@@ -251,6 +321,62 @@ class Attached(_Msg, tag="ATTACHED", frozen=True):
     core_limit: int
     mem_limit: int | None
     memory_total_bytes: int
+
+
+class LeaseResult(_Msg, tag="LEASE_RESULT", frozen=True):
+    """The answer to ACQUIRE: ACQUIRED with a lease id, or SKIPPED /
+    FALLBACK_CPU with the reason."""
+
+    id: RequestId
+    status: LeaseStatus
+    gpu: int
+    task_type: str
+    lease_id: str | None = None
+    acquired_at: float | None = None  # Unix time, seconds
+    queue_wait_ms: float = 0.0
+    reason: LeaseReason | None = None
+
+
+class LeaseRevoked(_Msg, tag="LEASE_REVOKED", frozen=True):
+    """Push: the daemon released a lease by force (hold_max with forced release on)."""
+
+    lease_id: str
+    reason: RevokeReason
+
+
+class LeaseInfo(Struct, frozen=True, kw_only=True):
+    lease_id: str
+    gpu: int
+    task_type: str
+    state: Literal["waiting", "holding"]
+    priority: int
+    busy_policy: BusyPolicy
+    client_id: int
+    name: str
+    pid: int
+    waited_ms: float
+    held_ms: float
+    hold_max_ms: int
+    overdue: bool
+    trace: Trace
+
+
+class LeasesReply(_Msg, tag="LEASES_REPLY", frozen=True):
+    id: RequestId
+    leases: list[LeaseInfo]
+
+
+class PolicyInfo(Struct, frozen=True, kw_only=True):
+    priority: int
+    busy_policy: BusyPolicy
+    max_wait_ms: int
+    queue_limit: int
+    hold_max_ms: int
+
+
+class PoliciesReply(_Msg, tag="POLICIES_REPLY", frozen=True):
+    id: RequestId
+    policies: dict[str, PolicyInfo]
 
 
 class LimitsSet(_Msg, tag="LIMITS_SET", frozen=True):
@@ -398,6 +524,10 @@ DaemonMessage = Union[
     Attached,
     LimitsSet,
     LimitsChanged,
+    LeaseResult,
+    LeaseRevoked,
+    LeasesReply,
+    PoliciesReply,
     MemLimitExceeded,
     Ok,
     Error,

@@ -10,7 +10,7 @@ import time
 
 from gpud.spawn import DaemonProcess
 
-from .wire import attach, connect, request, take_lock
+from .wire import attach, connect, request, take_lock, wait_queue
 
 
 def gpuctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -24,7 +24,7 @@ def test_status_json_reports_every_gpu_with_holder_and_queue(daemon: DaemonProce
     sa, sb = attach(a), attach(b)
     take_lock(a, sa)
     request(b, sb)
-    time.sleep(0.05)
+    wait_queue(a, [sb])
     out = gpuctl("status", "--json", "--socket", daemon.socket)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)

@@ -16,7 +16,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import Client, MemoryLimitExceeded, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
-from .wire import attach, connect, expect, gpu_status, take_lock
+from .wire import attach, connect, expect, gpu_status, take_lock, wait_queue
 
 # A worker that always has work: 3 ms "kernels" inside slices, forever.
 WORKER = """
@@ -222,8 +222,7 @@ def test_modes_change_at_run_time(daemon: DaemonProcess) -> None:
     assert gpuctl(daemon, "mode", "serial", "--gpu", "0").returncode == 0
     take_lock(a, sa)
     b.send(p.LockRequest(id=b.next_id(), session=sb))
-    time.sleep(0.05)
-    assert [w.session for w in gpu_status(a).queue] == [sb]
+    wait_queue(a, [sb])
     out = gpuctl(daemon, "mode", "concurrent", "--json")
     assert json.loads(out.stdout) == {"ok": True, "mode": "concurrent", "gpu": None}
     assert expect(b, p.LockOk).session == sb

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 
-from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock
+from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock, wait_queue
 
 
 def test_fifo_grants_and_immediate_handoff(daemon: DaemonProcess) -> None:
@@ -20,9 +20,9 @@ def test_fifo_grants_and_immediate_handoff(daemon: DaemonProcess) -> None:
     sa, sb, sc = attach(a), attach(b), attach(c)
     take_lock(a, sa)
     request(b, sb)
-    time.sleep(0.05)
+    wait_queue(a, [sb])
     request(c, sc)
-    time.sleep(0.05)
+    wait_queue(a, [sb, sc])
     st = gpu_status(a)
     assert [h.session for h in st.holders] == [sa]
     assert [w.session for w in st.queue] == [sb, sc]
@@ -94,11 +94,11 @@ def test_closed_connection_frees_lock_and_queue_place(daemon: DaemonProcess) -> 
     sa, sb, sc = attach(a), attach(b), attach(c)
     take_lock(a, sa)
     request(b, sb)
+    wait_queue(a, [sb])
     request(c, sc)
-    time.sleep(0.05)
+    wait_queue(a, [sb, sc])
     b.close()  # a waiter leaves
-    time.sleep(0.05)
-    assert [w.session for w in gpu_status(a).queue] == [sc]
+    wait_queue(a, [sc])
     a.close()  # the holder leaves
     expect(c, p.LockOk)
 
@@ -123,8 +123,7 @@ def test_sigkilled_holder_hands_over_within_50ms(daemon: DaemonProcess) -> None:
         waiter = connect(daemon, "waiter")
         sw = attach(waiter)
         request(waiter, sw)
-        time.sleep(0.1)
-        assert [w.session for w in gpu_status(waiter).queue] == [sw]
+        wait_queue(waiter, [sw])
         killed_at = time.monotonic_ns()
         os.kill(victim.pid, signal.SIGKILL)
         expect(waiter, p.LockOk, timeout=5)
@@ -140,6 +139,7 @@ def test_scheduler_off_grants_everyone_and_tells_clients(daemon: DaemonProcess) 
     sa, sb = attach(a), attach(b)
     take_lock(a, sa)
     request(b, sb)
+    wait_queue(admin, [sb])
     admin.call(p.SchedOff(id=admin.next_id(), gpu=0))
     assert expect(b, p.LockOk).session == sb
     assert expect(b, p.SchedState) == p.SchedState(gpu=0, on=False)
@@ -156,7 +156,7 @@ def test_set_tq_is_per_gpu_and_takes_effect_at_once(daemon: DaemonProcess) -> No
     sa, sb = attach(a, gpu="gpu:1"), attach(b, gpu=1)
     take_lock(a, sa)
     request(b, sb)
-    time.sleep(0.1)
+    wait_queue(b, [sb], gpu=1)
     a.call(p.SetTq(id=a.next_id(), seconds=0.05, gpu=1))
     assert expect(a, p.DropLock, timeout=2).reason == p.DropReason.TQ
     assert gpu_status(b, 0).tq_s == 30.0

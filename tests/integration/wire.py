@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gpud.spawn import DaemonProcess
@@ -50,3 +51,11 @@ def nothing_arrives(conn: Connection, within: float = 0.2) -> bool:
     except TimeoutError:
         return True
     raise AssertionError(f"unexpected message {msg!r}")
+
+
+def wait_queue(conn: Connection, expected: list[int], gpu: int = 0, timeout: float = 5.0) -> None:
+    """Poll STATUS until GPU ``gpu``'s queue is ``expected`` (no blind sleeps)."""
+    deadline = time.monotonic() + timeout
+    while (got := [w.session for w in gpu_status(conn, gpu).queue]) != expected:
+        assert time.monotonic() < deadline, f"queue is {got}, expected {expected}"
+        time.sleep(0.005)
