@@ -107,6 +107,29 @@ def render_clients(reply: p.ClientsReply) -> str:
     return _table(rows, header)
 
 
+def render_leases(reply: p.LeasesReply) -> str:
+    rows = []
+    for le in sorted(reply.leases, key=lambda x: (x.gpu, x.state != "holding", -x.priority, -x.waited_ms)):
+        trace = " ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(le.trace).items() if v is not None)
+        rows.append(
+            [
+                str(le.gpu), le.lease_id, le.task_type, le.state + (" OVERDUE" if le.overdue else ""),
+                str(le.priority), f"{le.name or '?'}[{le.pid}]", f"{le.waited_ms:.1f}ms",
+                f"{le.held_ms:.1f}ms" if le.state == "holding" else "-", trace or "-",
+            ]
+        )
+    header = ["GPU", "LEASE", "TASK", "STATE", "PRIO", "CLIENT", "WAITED", "HELD", "TRACE"]
+    return _table(rows, header) if rows else "no leases"
+
+
+def render_policies(reply: p.PoliciesReply) -> str:
+    rows = [
+        [name, str(pi.priority), str(pi.busy_policy), f"{pi.max_wait_ms}ms", str(pi.queue_limit), f"{pi.hold_max_ms}ms"]
+        for name, pi in reply.policies.items()
+    ]
+    return _table(rows, ["TASK", "PRIORITY", "BUSY", "MAX WAIT", "QUEUE LIMIT", "HOLD MAX"])
+
+
 def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str) -> None:
     if args.json:
         data = msgspec.to_builtins(obj)
@@ -154,6 +177,31 @@ def cmd_sched(args: argparse.Namespace) -> None:
     _done(args, f"scheduler {args.state} on {where}", scheduler_on=on, gpu=gpu)
 
 
+def cmd_leases(args: argparse.Namespace) -> None:
+    with _connect(args) as conn:
+        reply = conn.call(p.ListLeases(id=conn.next_id()))
+    _emit(args, reply, render_leases(reply))
+
+
+def cmd_policy(args: argparse.Namespace) -> None:
+    fields = {
+        "priority": args.priority, "busy_policy": args.busy, "max_wait_ms": args.max_wait,
+        "queue_limit": args.queue_limit, "hold_max_ms": args.hold_max,
+    }
+    changes = {k: v for k, v in fields.items() if v is not None}
+    with _connect(args) as conn:
+        if changes:
+            if args.task_type is None:
+                raise GpudError("name the task type whose policy to change, e.g. gpuctl policy ASR --max-wait 2000")
+            conn.call(p.SetPolicy(id=conn.next_id(), task_type=args.task_type, **changes))
+        reply = conn.call(p.ListPolicies(id=conn.next_id()))
+    if args.task_type is not None and not changes and args.task_type not in reply.policies:
+        raise GpudError(f"no policy for task type {args.task_type!r} (it would use OTHER's)")
+    if args.task_type is not None:
+        reply = p.PoliciesReply(id=reply.id, policies={args.task_type: reply.policies[args.task_type]})
+    _emit(args, reply, render_policies(reply))
+
+
 def cmd_mode(args: argparse.Namespace) -> None:
     gpu = None if args.gpu is None else _gpu_ref(args.gpu)
     with _connect(args) as conn:
@@ -196,6 +244,22 @@ def _size_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _millis(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of milliseconds: {text!r}") from None
+    if not 0 <= value <= 86_400_000:
+        raise argparse.ArgumentTypeError(f"milliseconds must be 0..86400000, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return int(text)
 
 
 def _positive_seconds(text: str) -> float:
@@ -241,7 +305,26 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
     limit.add_argument("--gpu", help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
+    sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
+    pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
+    pol.add_argument("task_type", nargs="?", help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")
+    pol.add_argument("--priority", type=_core_percent_or_zero, metavar="0..100")
+    pol.add_argument("--busy", choices=[b.value for b in p.BusyPolicy], help="busy policy")
+    pol.add_argument("--max-wait", type=_millis, metavar="MS")
+    pol.add_argument("--queue-limit", type=_count, metavar="N")
+    pol.add_argument("--hold-max", type=_millis, metavar="MS")
+    pol.set_defaults(func=cmd_policy)
     return ap
+
+
+def _core_percent_or_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"priority must be 0..100, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

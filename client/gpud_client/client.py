@@ -172,6 +172,7 @@ class Client:
         self._closed = False
         self.scheduler_on: dict[int, bool] = {}
         self.reconnects = 0
+        self.revoked_leases: set[str] = set()
         self._conn: Connection | None = None
         self._open()  # the first connect fails loudly: DaemonUnavailable
         self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
@@ -215,7 +216,7 @@ class Client:
             self._all.append(s)
         return s
 
-    def call(self, msg: msgspec.Struct) -> Any:
+    def call(self, msg: msgspec.Struct, timeout: float | None = None) -> Any:
         """Send a request and wait for its answer; an Error becomes an exception."""
         conn = self._require_conn()
         pend = _Pending()
@@ -225,8 +226,9 @@ class Client:
             self._pending[rid] = pend
         try:
             self._send(conn, msg)
-            if not pend.event.wait(self.request_timeout):
-                raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {self.request_timeout} s")
+            wait = self.request_timeout if timeout is None else timeout
+            if not pend.event.wait(wait):
+                raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {wait} s")
         finally:
             with self._cond:
                 self._pending.pop(rid, None)
@@ -250,6 +252,66 @@ class Client:
 
     def set_scheduler(self, on: bool, gpu: int | str | None = None) -> None:
         self.call(p.SchedOn(id=0, gpu=gpu) if on else p.SchedOff(id=0, gpu=gpu))
+
+    # --- leases (GpuArbiter) ---------------------------------------------------
+
+    @contextmanager
+    def lease(self, gpu: int | str = "gpu:0", task_type: str = "OTHER", **fields: Any) -> Iterator[p.LeaseResult]:
+        """``with client.lease("gpu:0", task_type="ASR") as r:`` -- r.status is
+        ACQUIRED, SKIPPED or FALLBACK_CPU; an acquired lease is released on
+        exit, exceptions included. ``fields``: those of ``acquire``."""
+        result = self.acquire(gpu, task_type, **fields)
+        try:
+            yield result
+        finally:
+            if result.acquired and result.lease_id is not None:
+                self.release_lease(result.lease_id)
+
+    def acquire(
+        self,
+        gpu: int | str = "gpu:0",
+        task_type: str = "OTHER",
+        *,
+        priority: int | None = None,
+        max_wait_ms: int | None = None,
+        hold_max_ms: int | None = None,
+        queue_limit: int | None = None,
+        busy_policy: p.BusyPolicy | str | None = None,
+        mem_estimate: int | str | None = None,
+        trace: p.Trace | dict[str, Any] | None = None,
+    ) -> p.LeaseResult:
+        """Ask for a lease; fields left out come from the task type's policy.
+        Waits for the answer (at most max_wait, plus the request timeout)."""
+        msg = p.Acquire(
+            id=0, gpu=gpu, task_type=task_type, priority=priority, max_wait_ms=max_wait_ms,
+            hold_max_ms=hold_max_ms, queue_limit=queue_limit,
+            busy_policy=None if busy_policy is None else p.BusyPolicy(busy_policy),
+            mem_estimate=_size(mem_estimate),
+            trace=msgspec.convert(trace, p.Trace) if isinstance(trace, dict) else (trace or p.Trace()),
+        )
+        wait = (max_wait_ms if max_wait_ms is not None else 86_400_000) / 1000 + self.request_timeout
+        result: p.LeaseResult = self.call(msg, timeout=wait)
+        return result
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give a lease back. Idempotent; another client's lease is refused."""
+        self.call(p.Release(id=0, lease_id=lease_id))
+
+    def report_oom(self, gpu: int | str = "gpu:0", task_type: str = "OTHER") -> None:
+        """Count an out-of-memory error this process hit on ``gpu``."""
+        self.call(p.ReportOom(id=0, gpu=gpu, task_type=task_type))
+
+    def leases(self) -> p.LeasesReply:
+        reply: p.LeasesReply = self.call(p.ListLeases(id=0))
+        return reply
+
+    def policies(self) -> dict[str, p.PolicyInfo]:
+        reply: p.PoliciesReply = self.call(p.ListPolicies(id=0))
+        return reply.policies
+
+    def set_policy(self, task_type: str, **fields: Any) -> None:
+        """Hot-update a task type's lease policy (admin)."""
+        self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
 
     def set_mode(self, mode: p.Mode | str, gpu: int | str | None = None) -> None:
         self.call(p.SetMode(id=0, mode=p.Mode(mode), gpu=gpu))
@@ -511,6 +573,9 @@ class Client:
                     s = self._sessions.get(sid)
                     if s is not None:
                         s.mem_error = MemoryLimitExceeded(sid, used, limit)
+                case p.LeaseRevoked(lease_id=lease_id, reason=reason):
+                    log.warning("gpud released lease %s by force (%s)", lease_id, reason)
+                    self.revoked_leases.add(lease_id)
                 case p.SchedState(gpu=gpu, on=on):
                     self.scheduler_on[gpu] = on
                 case p.Error(id=rid) if rid is not None and rid in self._lock_requests:

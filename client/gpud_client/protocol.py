@@ -336,6 +336,10 @@ class LeaseResult(_Msg, tag="LEASE_RESULT", frozen=True):
     queue_wait_ms: float = 0.0
     reason: LeaseReason | None = None
 
+    @property
+    def acquired(self) -> bool:
+        return self.status == LeaseStatus.ACQUIRED
+
 
 class LeaseRevoked(_Msg, tag="LEASE_REVOKED", frozen=True):
     """Push: the daemon released a lease by force (hold_max with forced release on)."""
