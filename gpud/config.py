@@ -135,6 +135,14 @@ def load(
 
 
 def _check(values: dict[str, Any], source: str) -> Config:
+    policies = values.get("policies")
+    if isinstance(policies, dict):  # checked one by one, so the error names the task type
+        for name, table in policies.items():
+            try:
+                msgspec.convert(table, PolicyConfig)
+            except msgspec.ValidationError as exc:
+                where = str(exc).replace("`$", f"`$.policies.{name}")
+                raise ConfigError(f"bad value in {source}: {where}") from None
     try:
         return msgspec.convert(values, Config)
     except msgspec.ValidationError as exc:

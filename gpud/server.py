@@ -386,6 +386,7 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
         mode=config.mode,
         memory_total_bytes=gpu.memory_total_bytes,
         memory_reserve_percent=config.memory_reserve_percent,
+        lease_force_release=config.lease_force_release,
         quota=QuotaConfig(
             window_us=round(config.compute_window_s * 1e6),
             carryover_percent=config.quota_carryover_percent,

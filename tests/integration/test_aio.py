@@ -131,10 +131,10 @@ def test_a_drop_between_slices_is_answered_at_once(
             await asyncio.to_thread(expect, other, p.LockOk, 2)
             assert s.drops == 1 and not s.holding
             assert syncs == ([] if hooks == "none" else [1])
-            assert await asyncio.to_thread(nothing_arrives, other)  # one LOCK_RELEASED, no refusal
+            assert await asyncio.to_thread(nothing_arrives, other, 0.1)  # one LOCK_RELEASED, no refusal
             # the next slice waits its turn
             later = asyncio.create_task(one_slice(s))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
             assert not later.done()
             other.send(p.LockReleased(id=99, session=so))
             assert await asyncio.wait_for(later, 2)
@@ -148,15 +148,15 @@ def test_an_unused_lock_is_released_after_idle_release(daemon: DaemonProcess) ->
     async def main() -> None:
         loop = asyncio.get_running_loop()
         async with await AsyncClient.connect(daemon.socket) as c:
-            s = await c.session(0, idle_release=0.3)
-            for _ in range(5):  # slices closer together than idle_release keep it
+            s = await c.session(0, idle_release=0.2)
+            for _ in range(4):  # slices closer together than idle_release keep it
                 async with s.slice():
                     pass
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.08)
             assert s.holding and s.grants == 1
             t0 = loop.time()
             await wait_for(lambda: not s.holding)
-            assert loop.time() - t0 >= 0.15
+            assert loop.time() - t0 >= 0.1  # 0.2 s after the last slice, 0.08 s before t0
             await wait_for(lambda: holders(daemon) == [])
 
     asyncio.run(main())
@@ -405,9 +405,9 @@ def test_two_sessions_in_one_process_on_different_gpus(daemon: DaemonProcess) ->
 def test_acquire_keeps_the_lock_until_release(daemon: DaemonProcess) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(daemon.socket, name="pinned") as c:
-            s = await c.session(0, idle_release=0.1)
+            s = await c.session(0, idle_release=0.05)
             await s.acquire()
-            await asyncio.sleep(0.3)  # well past idle_release
+            await asyncio.sleep(0.2)  # well past idle_release
             assert s.holding and holders(daemon) == ["pinned"]
             await s.release()
             assert not s.holding
