@@ -91,15 +91,15 @@ def test_a_pending_drop_releases_at_slice_exit_with_on_drop_and_synchronize(
                 on_drop=on_drop_plain if kind == "plain" else on_drop_coroutine,
                 synchronize=sync_plain if kind == "plain" else sync_coroutine,
             )
-            other = connect(d, "other")
-            so = attach(other)
-            async with s.slice():
-                request(other, so)
-                await wait_for(lambda: events == ["drop:tq"])  # told at once, while the slice still runs
-                assert s.drop_pending == DropReason.TQ and holders(d) == ["trainer"]
-            assert events == ["drop:tq", "sync"] and not s.holding and s.drops == 1
-            assert holders_at_sync == [["trainer"]]  # synchronize ran before LOCK_RELEASED
-            assert (await asyncio.to_thread(expect, other, p.LockOk)).session == so
+            with connect(d, "other") as other:
+                so = attach(other)
+                async with s.slice():
+                    request(other, so)
+                    await wait_for(lambda: events == ["drop:tq"])  # told at once, while the slice still runs
+                    assert s.drop_pending == DropReason.TQ and holders(d) == ["trainer"]
+                assert events == ["drop:tq", "sync"] and not s.holding and s.drops == 1
+                assert holders_at_sync == [["trainer"]]  # synchronize ran before LOCK_RELEASED
+                assert (await asyncio.to_thread(expect, other, p.LockOk)).session == so
 
     asyncio.run(main())
 
@@ -125,19 +125,19 @@ def test_a_drop_between_slices_is_answered_at_once(
                 s.on_drop, s.synchronize = on_drop, synchronize
             async with s.slice():
                 pass
-            other = connect(d)
-            so = attach(other)
-            request(other, so)
-            await asyncio.to_thread(expect, other, p.LockOk, 2)
-            assert s.drops == 1 and not s.holding
-            assert syncs == ([] if hooks == "none" else [1])
-            assert await asyncio.to_thread(nothing_arrives, other, 0.1)  # one LOCK_RELEASED, no refusal
-            # the next slice waits its turn
-            later = asyncio.create_task(one_slice(s))
-            await asyncio.sleep(0.1)
-            assert not later.done()
-            other.send(p.LockReleased(id=99, session=so))
-            assert await asyncio.wait_for(later, 2)
+            with connect(d) as other:
+                so = attach(other)
+                request(other, so)
+                await asyncio.to_thread(expect, other, p.LockOk, 2)
+                assert s.drops == 1 and not s.holding
+                assert syncs == ([] if hooks == "none" else [1])
+                assert await asyncio.to_thread(nothing_arrives, other, 0.1)  # one LOCK_RELEASED, no refusal
+                # the next slice waits its turn
+                later = asyncio.create_task(one_slice(s))
+                await asyncio.sleep(0.1)
+                assert not later.done()
+                other.send(p.LockReleased(id=99, session=so))
+                assert await asyncio.wait_for(later, 2)
 
     caplog.set_level(logging.WARNING, logger="gpud_client")
     asyncio.run(main())
@@ -305,67 +305,67 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
     async def main() -> None:
         async with await AsyncClient.connect(daemon.socket, name="impatient") as c:
             s = await c.session(0, idle_release=None)
-            other = connect(daemon, "other")
-            so = attach(other)
+            with connect(daemon, "other") as other:
+                so = attach(other)
 
-            async def cancelled_while_waiting() -> None:
+                async def cancelled_while_waiting() -> None:
+                    task = asyncio.create_task(one_slice(s))
+                    await wait_for(lambda: s.state == "waiting")
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    assert s.state == "waiting" and not s.entering  # LOCK_REQUEST cannot be withdrawn
+
+                # 1. The grant that arrives for a cancelled waiter is given back at once.
+                take_lock(other, so)
+                await cancelled_while_waiting()
+                other.send(p.LockReleased(id=other.next_id(), session=so))
+                await wait_for(lambda: s.grants == 1 and s.state == "idle")
+                await wait_for(lambda: holders(daemon) == [])
+                # 2. A slice started after a cancelled one takes the queued grant.
+                take_lock(other, so)
+                await cancelled_while_waiting()
+                later = asyncio.create_task(one_slice(s))
+                await asyncio.sleep(0.05)
+                assert not later.done()
+                other.send(p.LockReleased(id=other.next_id(), session=so))
+                assert await asyncio.wait_for(later, 2)
+                assert s.grants == 2 and s.holding and holders(daemon) == ["impatient"]
+                await s.release()
+                # 3. Cancelled after the grant arrived but before the task resumed.
+                take_lock(other, so)
                 task = asyncio.create_task(one_slice(s))
                 await wait_for(lambda: s.state == "waiting")
-                task.cancel()
+                dispatch = c._dispatch
+
+                def cancel_on_grant(msg: object) -> None:
+                    dispatch(msg)
+                    if isinstance(msg, p.LockOk):
+                        task.cancel()
+
+                c._dispatch = cancel_on_grant  # type: ignore[method-assign]
+                other.send(p.LockReleased(id=other.next_id(), session=so))
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                assert s.state == "waiting" and not s.entering  # LOCK_REQUEST cannot be withdrawn
+                c._dispatch = dispatch  # type: ignore[method-assign]
+                assert s.grants == 3 and s.state == "idle"
+                await wait_for(lambda: holders(daemon) == [])
+                # 4. Cancelled in synchronize: the lock is given back all the same.
+                hang = asyncio.Event()
 
-            # 1. The grant that arrives for a cancelled waiter is given back at once.
-            take_lock(other, so)
-            await cancelled_while_waiting()
-            other.send(p.LockReleased(id=other.next_id(), session=so))
-            await wait_for(lambda: s.grants == 1 and s.state == "idle")
-            await wait_for(lambda: holders(daemon) == [])
-            # 2. A slice started after a cancelled one takes the queued grant.
-            take_lock(other, so)
-            await cancelled_while_waiting()
-            later = asyncio.create_task(one_slice(s))
-            await asyncio.sleep(0.05)
-            assert not later.done()
-            other.send(p.LockReleased(id=other.next_id(), session=so))
-            assert await asyncio.wait_for(later, 2)
-            assert s.grants == 2 and s.holding and holders(daemon) == ["impatient"]
-            await s.release()
-            # 3. Cancelled after the grant arrived but before the task resumed.
-            take_lock(other, so)
-            task = asyncio.create_task(one_slice(s))
-            await wait_for(lambda: s.state == "waiting")
-            dispatch = c._dispatch
+                async def synchronize() -> None:
+                    await hang.wait()
 
-            def cancel_on_grant(msg: object) -> None:
-                dispatch(msg)
-                if isinstance(msg, p.LockOk):
-                    task.cancel()
-
-            c._dispatch = cancel_on_grant  # type: ignore[method-assign]
-            other.send(p.LockReleased(id=other.next_id(), session=so))
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            c._dispatch = dispatch  # type: ignore[method-assign]
-            assert s.grants == 3 and s.state == "idle"
-            await wait_for(lambda: holders(daemon) == [])
-            # 4. Cancelled in synchronize: the lock is given back all the same.
-            hang = asyncio.Event()
-
-            async def synchronize() -> None:
-                await hang.wait()
-
-            s.synchronize = synchronize
-            await s.acquire()
-            releasing = asyncio.create_task(s.release())
-            await wait_for(lambda: s.state == "releasing")
-            releasing.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await releasing
-            assert s.state == "idle"
-            await wait_for(lambda: holders(daemon) == [])
-            assert s.grants == 4
+                s.synchronize = synchronize
+                await s.acquire()
+                releasing = asyncio.create_task(s.release())
+                await wait_for(lambda: s.state == "releasing")
+                releasing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await releasing
+                assert s.state == "idle"
+                await wait_for(lambda: holders(daemon) == [])
+                assert s.grants == 4
 
     caplog.set_level(logging.WARNING, logger="gpud_client")
     asyncio.run(main())

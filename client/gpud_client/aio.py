@@ -1,0 +1,843 @@
+"""The asyncio client: one connection, one reader task, sessions.
+
+The same shape and rules as the sync ``Client`` (``gpud_client.client``), with
+``await`` where that one blocks::
+
+    async with await AsyncClient.connect(name="trainer") as client:
+        session = await client.session(0, core_limit=50)
+        for batch in batches:
+            async with session.slice():
+                await step(batch)
+
+``AsyncClient.connect`` is the only way to get a client (it connects and says
+HELLO before it returns); ``async with`` on the client, or ``await
+client.close()``, ends it. ``async with session.slice():`` takes the lock if
+the session does not hold it and gives it back at exit only if a DROP_LOCK is
+pending; between slices the lock is kept, so a slice that already holds it
+does not even yield to the event loop. A DROP_LOCK between slices is answered
+at once, and a lock unused for ``idle_release`` seconds is given back early by
+a timer on the loop. ``on_drop`` and ``synchronize`` may be plain callables or
+coroutine functions; a coroutine ``on_drop`` runs in a task of its own (so it
+may ``await session.release()`` or call the daemon) and a drop between slices
+is answered when it has finished.
+
+Everything runs on the loop's thread, so the state needs no lock: the reader
+task decodes frames and dispatches them (an answer resolves the future of the
+request with its id; a push changes its session), and every change wakes the
+waiters through one ``asyncio.Event`` that is replaced at each notification.
+So a client belongs to the loop it was connected on, and it hears the daemon
+only while that loop runs: work inside slices should await (or run blocking
+GPU calls in a thread), else a DROP_LOCK waits for the next await. A session
+runs one slice at a time, also across tasks: a second task's ``slice()``
+raises instead of sharing the lock unseen; concurrent tasks take a session
+each.
+
+When the daemon goes away the reader task reconnects with backoff (50 ms
+doubling to 2 s) and re-attaches every session; the locks died with the
+daemon. A slice started meanwhile waits up to ``unavailable_timeout`` seconds
+and then raises ``DaemonUnavailable`` or, with ``proceed_unarbitrated=True``,
+runs without the lock. That is the documented choice, as in the sync client.
+
+Cancellation. The protocol cannot withdraw a LOCK_REQUEST, so when the task
+waiting in ``slice()`` or ``acquire()`` is cancelled the request stays queued
+at the daemon. The next slice of the session waits for that same grant; if no
+slice is waiting when it arrives, it is given back at once (LOCK_RELEASED
+without ``synchronize``: no work ran under it). The same holds when the grant
+arrived but the task was cancelled before it resumed. A cancelled task never
+loses a later slice its grant nor leaves the lock held with nobody to use it.
+
+This module must never block the loop (no blocking socket, no sleep, no
+thread), let a hook's exception reach the reader task, or leave a session
+"releasing" when a task is cancelled in ``synchronize``: the LOCK_RELEASED is
+sent from a ``finally``. It imports only the standard library and msgspec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import msgspec
+
+from gpud_client import protocol as p
+from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
+from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
+from gpud_client.units import parse_bytes
+
+log = logging.getLogger("gpud_client")
+State = Literal["idle", "waiting", "holding", "releasing"]
+DropHook = Callable[[p.DropReason], Awaitable[None] | None]
+SyncHook = Callable[[], Awaitable[None] | None]
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 2.0
+_CONNECT_TIMEOUT_S = 5.0
+_READ_BYTES = 65536
+_MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
+
+
+def _size(value: int | str | None) -> int | None:
+    return parse_bytes(value) if isinstance(value, str) else value
+
+
+class _Wire:
+    """One connection: the stream, its framing and its codec."""
+
+    def __init__(self, path: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.path = path
+        self._reader = reader
+        self._writer = writer
+        self._codec = p.client_codec()
+        self._frames = p.FrameDecoder()
+        self._ready: deque[bytes] = deque()
+        self._backlog: deque[Any] = deque()  # messages call() read past, for recv()
+        self._ids = itertools.count(1)
+
+    @classmethod
+    async def open(cls, path: str) -> _Wire:
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_unix_connection(path)
+        except OSError as exc:  # TimeoutError included
+            hint = "" if os.path.exists(path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
+            reason = exc.strerror or str(exc) or "timed out"
+            raise DaemonUnavailable(f"cannot connect to gpud at {path}: {reason}{hint}") from None
+        return cls(path, reader, writer)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if self._writer.is_closing():
+            raise DaemonUnavailable(f"lost connection to gpud at {self.path}")
+        self._writer.write(self._codec.encode(msg))
+
+    async def drain(self) -> None:
+        try:
+            await self._writer.drain()
+        except OSError as exc:
+            raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
+
+    async def recv(self) -> Any:
+        """The next message from the daemon. Raises DaemonUnavailable on EOF."""
+        if self._backlog:
+            return self._backlog.popleft()
+        return await self._recv()
+
+    async def _recv(self) -> Any:
+        while not self._ready:
+            try:
+                data = await self._reader.read(_READ_BYTES)
+            except OSError as exc:
+                raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
+            if not data:
+                raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
+            try:
+                self._ready.extend(self._frames.feed(data))
+            except p.FrameTooLarge as exc:
+                raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
+        payload = self._ready.popleft()
+        try:
+            return self._codec.decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
+
+    async def call(self, msg: msgspec.Struct, timeout: float) -> Any:
+        """Send a request and read up to its answer, keeping what came first
+        for ``recv``. Only while no reader task reads this wire (HELLO, re-attach)."""
+        rid = self.next_id()
+        self.send(msgspec.structs.replace(msg, id=rid))
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    reply = await self._recv()
+                    if getattr(reply, "id", None) == rid:
+                        break
+                    self._backlog.append(reply)
+        except TimeoutError:
+            raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {timeout} s") from None
+        if isinstance(reply, p.Error):
+            raise error_from(reply.code, reply.message)
+        return reply
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class AsyncSession:
+    """A process's place on one GPU. Create with ``await AsyncClient.session``."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        gpu: int | str,
+        *,
+        priority: int,
+        idle_release: float | None,
+        on_drop: DropHook | None,
+        synchronize: SyncHook | None,
+        core_limit: int = 100,
+        mem_limit: int | None = None,
+        mem_estimate: int | None = None,
+        memory_probe: Callable[[], int] | None = None,
+        framework_hooks: bool = True,
+    ) -> None:
+        self.client = client
+        self.gpu_ref = gpu
+        self.priority = priority
+        self.core_limit = core_limit
+        self.mem_limit = mem_limit
+        self.mem_estimate = mem_estimate
+        self.framework_hooks = framework_hooks
+        self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
+        self.mem_reported: int | None = None
+        self.mem_error: MemoryLimitExceeded | None = None
+        self.memory_total_bytes = 0
+        self.idle_release = idle_release
+        self.on_drop = on_drop
+        self.synchronize = synchronize
+        self.id = 0  # the daemon's session id; changes on re-attach
+        self.gpu = -1
+        self.state: State = "idle"
+        self.grant = 0
+        self.drop_pending: p.DropReason | None = None
+        self.in_slice = False
+        self.entering = False  # a slice() or acquire() waits for the lock
+        self.request_id = 0
+        self.last_used = 0.0  # loop.time()
+        self.error: GpudError | None = None
+        self.closed = False
+        self.idle_timer: asyncio.TimerHandle | None = None
+        # counters an application can read
+        self.grants = 0
+        self.drops = 0
+        self.revocations = 0
+
+    @property
+    def holding(self) -> bool:
+        return self.state == "holding"
+
+    @asynccontextmanager
+    async def slice(self) -> AsyncIterator[AsyncSession]:
+        """One unit of GPU work under the lock."""
+        arbitrated = await self.client._enter_slice(self)
+        try:
+            yield self
+        finally:
+            if arbitrated:
+                await self.client._exit_slice(self)
+
+    async def acquire(self) -> None:
+        """Take the lock and keep it until ``release``: an open-ended slice.
+
+        Neither idle release nor a DROP_LOCK takes it away meanwhile (a drop is
+        reported to ``on_drop``); ignoring drops past the daemon's drop timeout
+        gets the lock revoked."""
+        await self.client._enter_slice(self)
+
+    async def release(self) -> None:
+        """End an ``acquire`` (or give back a lock kept between slices) now."""
+        await self.client._release(self)
+
+    async def report_memory(self, used_bytes: int) -> None:
+        """Tell the daemon how much GPU memory this session uses (MEM_UPDATE)."""
+        await self.client._report_memory(self, used_bytes)
+
+    async def set_limits(self, *, core_limit: int | None = None, mem_limit: int | str | None = None) -> None:
+        """Change this session's own limits; the window's use is kept."""
+        await self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=_size(mem_limit)))
+
+    async def close(self) -> None:
+        await self.client._detach(self)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncClient:
+    """A connection to gpud shared by the sessions of one process.
+
+    Get one with ``await AsyncClient.connect(...)``; constructing it directly
+    gives an unconnected client that refuses every call."""
+
+    welcome: p.Welcome
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        reconnect: bool = True,
+        unavailable_timeout: float = 10.0,
+        proceed_unarbitrated: bool = False,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self.path = p.resolve_socket_path(socket)
+        self.name = name
+        self.labels = dict(labels or {})
+        self.reconnect = reconnect
+        self.unavailable_timeout = unavailable_timeout
+        self.proceed_unarbitrated = proceed_unarbitrated
+        self.request_timeout = request_timeout
+        self._changed = asyncio.Event()
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._lock_requests: dict[int, AsyncSession] = {}  # LOCK_REQUEST id -> session
+        self._sessions: dict[int, AsyncSession] = {}  # daemon session id -> session
+        self._all: list[AsyncSession] = []
+        self._tasks: set[asyncio.Future[Any]] = set()  # hooks and give-backs in flight
+        self._closed = False
+        self._wire: _Wire | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.scheduler_on: dict[int, bool] = {}
+        self.reconnects = 0
+
+    @classmethod
+    async def connect(
+        cls,
+        socket: str | None = None,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        reconnect: bool = True,
+        unavailable_timeout: float = 10.0,
+        proceed_unarbitrated: bool = False,
+        request_timeout: float = 10.0,
+    ) -> AsyncClient:
+        """Connect and say HELLO; the first connect fails loudly (DaemonUnavailable)."""
+        self = cls(
+            socket, name=name, labels=labels, reconnect=reconnect, unavailable_timeout=unavailable_timeout,
+            proceed_unarbitrated=proceed_unarbitrated, request_timeout=request_timeout,
+        )
+        wire = await _Wire.open(self.path)
+        try:
+            self._welcomed(await wire.call(self._hello_msg(), request_timeout))
+        except BaseException:
+            wire.close()
+            raise
+        self._wire = wire
+        self._reader = asyncio.create_task(self._read_loop(), name="gpud-client-reader")
+        return self
+
+    # --- public API -----------------------------------------------------------
+
+    @property
+    def client_id(self) -> int:
+        return self.welcome.client_id
+
+    async def session(
+        self,
+        gpu: int | str = 0,
+        *,
+        priority: int = 0,
+        idle_release: float | None = 1.0,
+        on_drop: DropHook | None = None,
+        synchronize: SyncHook | None = None,
+        core_limit: int = 100,
+        mem_limit: int | str | None = None,
+        mem_estimate: int | str | None = None,
+        memory_probe: Callable[[], int] | None = None,
+        framework_hooks: bool = True,
+    ) -> AsyncSession:
+        """Attach to a GPU. ``core_limit``: percent of GPU time per window;
+        ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
+        ``memory_probe`` is read at each slice's end and reported when it
+        moved; with torch already imported, PyTorch's reserved memory is the
+        default probe and ``mem_limit`` also caps PyTorch's allocator."""
+        s = AsyncSession(
+            self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
+            core_limit=core_limit, mem_limit=_size(mem_limit), mem_estimate=_size(mem_estimate),
+            memory_probe=memory_probe, framework_hooks=framework_hooks,
+        )
+        wire = self._wire
+        reply: p.Attached = await self.call(self._attach_msg(s))
+        if self._wire is not wire:  # lost (and maybe re-attached the others) while the answer was on its way
+            raise DaemonUnavailable(f"lost connection to gpud at {self.path} while attaching")
+        self._bind(s, reply)
+        self._all.append(s)
+        return s
+
+    async def call(self, msg: msgspec.Struct) -> Any:
+        """Send a request and wait for its answer; an Error becomes an exception."""
+        wire = self._require_wire()
+        rid = wire.next_id()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            wire.send(msgspec.structs.replace(msg, id=rid))
+            async with asyncio.timeout(self.request_timeout):
+                await wire.drain()
+                reply = await fut
+        except TimeoutError:
+            raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {self.request_timeout} s") from None
+        finally:
+            self._pending.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved, also when we were cancelled after it was set
+        if isinstance(reply, p.Error):
+            raise error_from(reply.code, reply.message)
+        return reply
+
+    async def status(self) -> p.StatusReply:
+        reply: p.StatusReply = await self.call(p.Status(id=0))
+        return reply
+
+    async def clients(self) -> p.ClientsReply:
+        reply: p.ClientsReply = await self.call(p.ListClients(id=0))
+        return reply
+
+    async def set_tq(self, seconds: float, gpu: int | str | None = None) -> None:
+        await self.call(p.SetTq(id=0, seconds=seconds, gpu=gpu))
+
+    async def set_scheduler(self, on: bool, gpu: int | str | None = None) -> None:
+        await self.call(p.SchedOn(id=0, gpu=gpu) if on else p.SchedOff(id=0, gpu=gpu))
+
+    async def set_mode(self, mode: p.Mode | str, gpu: int | str | None = None) -> None:
+        await self.call(p.SetMode(id=0, mode=p.Mode(mode), gpu=gpu))
+
+    async def set_limits(
+        self,
+        client: int | str | None = None,
+        *,
+        core_limit: int | None = None,
+        mem_limit: int | str | None = None,
+        gpu: int | str | None = None,
+    ) -> list[int]:
+        """Change a client's limits (admin for another client's); the sessions changed."""
+        reply: p.LimitsSet = await self.call(
+            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=_size(mem_limit))
+        )
+        return reply.sessions
+
+    async def close(self) -> None:
+        """Close the connection; the daemon frees every lock and session of it."""
+        if self._closed:
+            return
+        self._closed = True
+        wire, self._wire = self._wire, None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(GpudError("the client is closed"))
+        self._pending.clear()
+        for s in self._all:
+            self._disarm_idle(s)
+        self._notify()
+        if wire is not None:
+            wire.close()
+        tasks = [t for t in (self._reader, *self._tasks) if t is not None and t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- sessions -----------------------------------------------------------
+
+    async def _enter_slice(self, s: AsyncSession) -> bool:
+        if s.closed:
+            raise GpudError("this session is closed")
+        if s.in_slice or s.entering:
+            raise GpudError("slices of one session do not nest (an acquire() counts as one; one slice at a time)")
+        if s.mem_error is not None:
+            err, s.mem_error = s.mem_error, None
+            raise err
+        s.entering = True
+        try:
+            arbitrated = await self._acquire(s)
+        except BaseException:
+            s.entering = False
+            if s.state == "holding" and not s.in_slice:
+                self._hand_back(s)  # granted to a task that is no longer there to use it
+            raise
+        s.entering = False
+        s.in_slice = arbitrated
+        return arbitrated
+
+    async def _exit_slice(self, s: AsyncSession) -> None:
+        if s.memory_probe is not None:
+            try:
+                used = s.memory_probe()
+            except Exception:
+                log.exception("memory probe failed")
+            else:
+                if s.mem_reported is None or abs(used - s.mem_reported) >= _MEM_REPORT_STEP:
+                    try:
+                        self._send_memory(s, used)
+                    except DaemonUnavailable:
+                        pass  # reported again after the re-attach, at a later slice's end
+        s.in_slice = False
+        if s.closed:
+            return
+        s.last_used = self._now()
+        if s.state == "holding" and s.drop_pending is not None:
+            s.state = "releasing"
+            await self._give_back(s)
+        else:
+            self._arm_idle(s)
+
+    async def _acquire(self, s: AsyncSession) -> bool:
+        """Wait until ``s`` holds the lock. False: proceeding unarbitrated."""
+        deadline: float | None = None
+        while True:
+            if s.error is not None:
+                err, s.error = s.error, None
+                raise err
+            if s.state == "holding":
+                return True
+            if self._closed or s.closed:
+                raise GpudError("the client or session is closed")
+            wire = self._wire
+            if wire is None or s.id == 0:
+                deadline = deadline or self._now() + self.unavailable_timeout
+                left = deadline - self._now()
+                if left <= 0:
+                    if self.proceed_unarbitrated:
+                        log.warning("gpud unavailable: running a slice without the GPU lock")
+                        return False
+                    raise DaemonUnavailable(f"gpud at {self.path} has been unreachable for {self.unavailable_timeout} s")
+                await self._wait_change(left)
+                continue
+            if s.state == "idle":
+                # Only a refusal answers a LOCK_REQUEST (an Error with this id);
+                # the grant comes as a LOCK_OK push. A "waiting" session's
+                # request is still queued (maybe by a cancelled slice): wait for it.
+                rid = wire.next_id()
+                try:
+                    wire.send(p.LockRequest(id=rid, session=s.id))
+                except DaemonUnavailable:
+                    pass  # the reader sees the loss, resets the session and wakes us
+                else:
+                    s.state, s.request_id = "waiting", rid
+                    self._lock_requests[rid] = s
+            await self._wait_change()
+
+    async def _release(self, s: AsyncSession) -> None:
+        s.in_slice = False
+        if s.state != "holding":
+            return
+        s.state = "releasing"
+        await self._give_back(s)
+
+    async def _give_back(self, s: AsyncSession) -> None:
+        """Synchronize, then LOCK_RELEASED. Called with s.state == 'releasing'."""
+        try:
+            if s.synchronize is not None:
+                try:
+                    await _settle(s.synchronize())
+                except Exception:
+                    log.exception("synchronize hook failed; releasing the GPU lock anyway")
+        finally:  # also when cancelled: the lock must not stay with nobody to use it
+            if s.state == "releasing":  # else revoked or reconnected meanwhile
+                self._hand_back(s)
+
+    def _hand_back(self, s: AsyncSession) -> None:
+        """LOCK_RELEASED now, without synchronize."""
+        wire = self._wire
+        s.state, s.drop_pending = "idle", None
+        self._disarm_idle(s)
+        self._notify()
+        if wire is not None and s.id:
+            try:
+                wire.send(p.LockReleased(id=wire.next_id(), session=s.id, grant=s.grant))
+            except DaemonUnavailable:
+                pass  # the reader reconnects; the lock died with the connection
+
+    def _release_if_unused(self, s: AsyncSession, grant: int) -> None:
+        """Answer a DROP_LOCK for ``grant`` at once when no slice uses the lock."""
+        if s.state != "holding" or s.grant != grant or s.drop_pending is None or s.in_slice or s.entering:
+            return
+        if s.synchronize is None:
+            self._hand_back(s)
+        else:
+            s.state = "releasing"
+            self._spawn(self._give_back(s))
+
+    async def _detach(self, s: AsyncSession) -> None:
+        if s.closed:
+            return
+        s.closed = True
+        sid, s.id = s.id, 0
+        s.state, s.drop_pending = "idle", None
+        self._disarm_idle(s)
+        self._sessions.pop(sid, None)
+        if s in self._all:
+            self._all.remove(s)
+        self._notify()
+        if sid and self._wire is not None:
+            try:
+                await self.call(p.Detach(id=0, session=sid))
+            except GpudError:
+                pass  # gone with the connection either way
+
+    async def _report_memory(self, s: AsyncSession, used_bytes: int) -> None:
+        wire = self._wire
+        self._send_memory(s, used_bytes)
+        if wire is not None:
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    await wire.drain()
+            except TimeoutError:
+                raise DaemonUnavailable(f"gpud did not read MEM_UPDATE within {self.request_timeout} s") from None
+
+    def _send_memory(self, s: AsyncSession, used_bytes: int) -> None:
+        wire = self._wire
+        if wire is None or not s.id:
+            return  # reported again after the re-attach, at the next slice's end
+        s.mem_reported = used_bytes
+        wire.send(p.MemUpdate(id=wire.next_id(), session=s.id, used_bytes=used_bytes))
+
+    def _hello_msg(self) -> p.Hello:
+        return p.Hello(id=0, version=p.PROTOCOL_VERSION, name=self.name, labels=self.labels)
+
+    @staticmethod
+    def _attach_msg(s: AsyncSession) -> p.Attach:
+        return p.Attach(
+            id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
+            mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
+        )
+
+    @staticmethod
+    def _apply_limits(s: AsyncSession, core_limit: int, mem_limit: int | None) -> None:
+        changed = mem_limit != s.mem_limit
+        s.core_limit, s.mem_limit = core_limit, mem_limit
+        if s.framework_hooks and (mem_limit is not None or changed):
+            try:
+                apply_torch_memory_limit(mem_limit)
+            except Exception:
+                log.exception("could not apply the memory limit to PyTorch")
+
+    def _bind(self, s: AsyncSession, reply: p.Attached) -> None:
+        s.id = reply.session
+        s.gpu = reply.gpu
+        s.memory_total_bytes = reply.memory_total_bytes
+        s.mem_reported = None
+        self._apply_limits(s, reply.core_limit, reply.mem_limit)
+        s.state = "idle"
+        s.drop_pending = None
+        self._sessions[s.id] = s
+        self.scheduler_on[reply.gpu] = reply.scheduler_on
+
+    # --- idle release: one timer handle per session holding between slices ------
+
+    def _arm_idle(self, s: AsyncSession) -> None:
+        """Due at last_used + idle_release; a later slice moves it lazily, at expiry."""
+        if s.idle_release is None or s.idle_timer is not None or s.state != "holding":
+            return
+        loop = asyncio.get_running_loop()
+        s.idle_timer = loop.call_at(s.last_used + s.idle_release, self._idle_due, s)
+
+    @staticmethod
+    def _disarm_idle(s: AsyncSession) -> None:
+        if s.idle_timer is not None:
+            s.idle_timer.cancel()
+            s.idle_timer = None
+
+    def _idle_due(self, s: AsyncSession) -> None:
+        s.idle_timer = None
+        if s.state != "holding" or s.in_slice or s.entering or s.closed or s.idle_release is None:
+            return  # the next slice's end (or grant) arms it again
+        if self._now() < s.last_used + s.idle_release:
+            self._arm_idle(s)
+            return
+        s.state = "releasing"
+        self._spawn(self._give_back(s))
+
+    # --- the reader task ------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _notify(self) -> None:
+        """Wake every waiter; each re-checks its condition."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout: float | None = None) -> None:
+        changed = self._changed
+        try:
+            async with asyncio.timeout(timeout):
+                await changed.wait()
+        except TimeoutError:
+            pass
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(aw)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _require_wire(self) -> _Wire:
+        if self._closed:
+            raise GpudError("the client is closed")
+        if self._reader is None:
+            raise GpudError("this client is not connected: get one with `await AsyncClient.connect(...)`")
+        if self._wire is None:
+            raise DaemonUnavailable(f"not connected to gpud at {self.path} (reconnecting)")
+        return self._wire
+
+    def _welcomed(self, welcome: p.Welcome) -> None:
+        self.welcome = welcome
+        self.scheduler_on = {g.index: g.scheduler_on for g in welcome.gpus}
+
+    async def _read_loop(self) -> None:
+        while True:
+            wire = self._wire
+            if wire is not None:
+                try:
+                    while True:
+                        msg = await wire.recv()
+                        self._dispatch(msg)
+                except GpudError as exc:
+                    self._lost(wire, exc)
+                except Exception as exc:  # a bug here must not leave the client deaf: start afresh
+                    log.exception("gpud client reader failed")
+                    self._lost(wire, GpudError(f"client reader failed: {exc!r}"))
+            if not await self._reconnect():
+                return
+
+    def _dispatch(self, msg: Any) -> None:
+        match msg:
+            case p.LockOk(session=sid, grant=g):
+                s = self._sessions.get(sid)
+                if s is not None:
+                    self._lock_requests.pop(s.request_id, None)
+                    s.state, s.grant, s.drop_pending = "holding", g, None
+                    s.grants += 1
+                    s.last_used = self._now()
+                    if not (s.entering or s.in_slice):
+                        self._hand_back(s)  # the slice that asked was cancelled
+            case p.DropLock(session=sid, grant=g, reason=reason):
+                s = self._sessions.get(sid)
+                if s is not None and s.state == "holding" and s.grant == g:
+                    s.drops += 1
+                    s.drop_pending = reason
+                    self._tell_drop(s, g, reason)
+            case p.Revoked(session=sid, grant=g, reason=reason):
+                s = self._sessions.get(sid)
+                if s is not None and s.grant == g and s.state in ("holding", "releasing"):
+                    s.state, s.drop_pending = "idle", None
+                    s.revocations += 1
+                    log.warning("gpud revoked the GPU lock of session %d (%s)", sid, reason)
+            case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
+                s = self._sessions.get(sid)
+                if s is not None:
+                    self._apply_limits(s, core, mem)
+            case p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit):
+                s = self._sessions.get(sid)
+                if s is not None:
+                    s.mem_error = MemoryLimitExceeded(sid, used, limit)
+            case p.SchedState(gpu=gpu, on=on):
+                self.scheduler_on[gpu] = on
+            case p.Error(id=rid) if rid is not None and rid in self._lock_requests:
+                sess = self._lock_requests.pop(rid)
+                sess.error = error_from(msg.code, msg.message)
+                if sess.state == "waiting":
+                    sess.state = "idle"
+            case p.Error(id=rid) if rid is not None and rid in self._pending:
+                self._resolve(rid, msg)
+            case p.Error():
+                log.warning("gpud reported %s: %s", msg.code, msg.message)
+            case _ if getattr(msg, "id", None) in self._pending:
+                self._resolve(msg.id, msg)
+        self._notify()
+
+    def _resolve(self, rid: int, reply: Any) -> None:
+        fut = self._pending.pop(rid)
+        if not fut.done():
+            fut.set_result(reply)
+
+    def _tell_drop(self, s: AsyncSession, grant: int, reason: p.DropReason) -> None:
+        """Call on_drop; a coroutine runs in a task and the drop is answered after it."""
+        result: Awaitable[None] | None = None
+        if s.on_drop is not None:
+            try:
+                result = s.on_drop(reason)
+            except Exception:
+                log.exception("on_drop callback failed")
+        if result is None or not inspect.isawaitable(result):
+            self._release_if_unused(s, grant)
+            return
+        task = asyncio.ensure_future(result)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._drop_hook_done(t, s, grant))
+
+    def _drop_hook_done(self, task: asyncio.Future[Any], s: AsyncSession, grant: int) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("on_drop callback failed", exc_info=exc)
+        self._release_if_unused(s, grant)
+
+    def _lost(self, wire: _Wire, exc: GpudError) -> None:
+        if self._wire is wire:
+            self._wire = None
+        self._lock_requests.clear()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}"))
+        self._pending.clear()
+        for s in self._sessions.values():
+            s.state, s.drop_pending, s.id = "idle", None, 0
+            self._disarm_idle(s)
+        self._sessions.clear()
+        self._notify()
+        wire.close()
+        if not self._closed:
+            log.warning("lost connection to gpud: %s", exc)
+
+    async def _reconnect(self) -> bool:
+        """Reconnect with backoff and re-attach every session. False: stop."""
+        delay = _BACKOFF_START_S
+        while not self._closed and self.reconnect:
+            wire: _Wire | None = None
+            try:
+                wire = await _Wire.open(self.path)
+                welcome: p.Welcome = await wire.call(self._hello_msg(), self.request_timeout)
+                attached = [(s, await wire.call(self._attach_msg(s), self.request_timeout)) for s in list(self._all)]
+            except GpudError as exc:
+                if wire is not None:
+                    wire.close()
+                # A refusal (a GPU gone after the restart, say) is retried like
+                # an absence, as the sync client does; but it is said out loud.
+                (log.warning if isinstance(exc, ProtocolError) else log.debug)(
+                    "reconnecting to gpud at %s failed: %s", self.path, exc
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            except BaseException:  # cancelled by close()
+                if wire is not None:
+                    wire.close()
+                raise
+            self._welcomed(welcome)
+            for s, reply in attached:
+                if s.closed:  # closed while we re-attached it: detach it again, unanswered
+                    wire.send(p.Detach(id=wire.next_id(), session=reply.session))
+                else:
+                    self._bind(s, reply)
+            self._wire = wire
+            self.reconnects += 1
+            self._notify()
+            log.info("reconnected to gpud at %s; %d session(s) re-attached", self.path, len(attached))
+            return True
+        return False
+
+
+async def _settle(result: Awaitable[None] | None) -> None:
+    """Await what a hook returned, if it is awaitable (a coroutine function's call)."""
+    if result is not None and inspect.isawaitable(result):
+        await result
