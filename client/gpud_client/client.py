@@ -28,7 +28,7 @@ import msgspec
 
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, error_from
+from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
 from gpud_client.units import parse_bytes
 
@@ -78,6 +78,7 @@ class Session:
         self.framework_hooks = framework_hooks
         self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
         self.mem_reported: int | None = None
+        self.reattach_error: GpudError | None = None  # the daemon refused it after a reconnect
         self.mem_error: MemoryLimitExceeded | None = None
         self.memory_total_bytes = 0
         self.idle_release = idle_release
@@ -359,11 +360,17 @@ class Client:
             if s.mem_error is not None:
                 err, s.mem_error = s.mem_error, None
                 raise err
-        if not self._acquire(s):
-            return False
-        with self._cond:
-            s.in_slice = True
-        return True
+            s.in_slice = True  # claimed before waiting: a second thread cannot slip in
+        try:
+            arbitrated = self._acquire(s)
+        except BaseException:
+            with self._cond:
+                s.in_slice = False
+            raise
+        if not arbitrated:
+            with self._cond:
+                s.in_slice = False
+        return arbitrated
 
     def _exit_slice(self, s: Session) -> None:
         if s.memory_probe is not None:
@@ -398,6 +405,8 @@ class Client:
                     return True
                 if self._closed or s.closed:
                     raise GpudError("the client or session is closed")
+                if self._conn is not None and s.id == 0 and s.reattach_error is not None:
+                    raise GpudError(f"the session could not be re-attached after a reconnect: {s.reattach_error}")
                 if self._conn is None or s.id == 0:
                     deadline = deadline or time.monotonic() + self.unavailable_timeout
                     left = deadline - time.monotonic()
@@ -628,12 +637,16 @@ class Client:
                     return False
             try:
                 conn = Connection(self.path)
-                welcome = conn.hello(self.name, self.labels)
-                attached = [
-                    (s, conn.call(msgspec.structs.replace(self._attach_msg(s), id=conn.next_id())))
-                    for s in list(self._all)
-                ]
             except GpudError:
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            try:
+                welcome = conn.hello(self.name, self.labels)
+                attached = [(s, self._reattach(conn, s)) for s in list(self._all)]
+            except GpudError:
+                conn.close()
                 with self._cond:
                     self._cond.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
@@ -642,13 +655,26 @@ class Client:
                 self.welcome = welcome
                 self.scheduler_on = {g.index: g.scheduler_on for g in welcome.gpus}
                 for s, reply in attached:
-                    if not s.closed:
+                    if isinstance(reply, ProtocolError):
+                        s.reattach_error = reply
+                        log.warning("gpud refused to re-attach a session on GPU %s: %s", s.gpu_ref, reply)
+                    elif s.closed:  # closed while we were reconnecting
+                        self._send(conn, p.Detach(id=conn.next_id(), session=reply.session))
+                    else:
+                        s.reattach_error = None
                         self._bind(s, reply)
                 self._conn = conn
                 self.reconnects += 1
                 self._cond.notify_all()
             log.info("reconnected to gpud at %s; %d session(s) re-attached", self.path, len(attached))
             return True
+
+    def _reattach(self, conn: Connection, s: Session) -> p.Attached | ProtocolError:
+        try:
+            reply: p.Attached = conn.call(msgspec.structs.replace(self._attach_msg(s), id=conn.next_id()))
+        except ProtocolError as exc:  # e.g. its GPU is gone: the others still re-attach
+            return exc
+        return reply
 
     def _idle_loop(self) -> None:
         """Give back locks that no slice has used for ``idle_release`` s."""

@@ -202,3 +202,42 @@ def test_closing_a_held_session_frees_the_lock(daemon: DaemonProcess) -> None:
             assert not s.holding
         wait_for(lambda: gpu_status(connect(daemon)).holders == [])
         assert gpu_status(connect(daemon)).clients == 0
+
+
+def test_two_threads_cannot_share_one_sessions_slice(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket) as c:
+        s = c.session(0, idle_release=None)
+        inside = threading.Event()
+        leave = threading.Event()
+        errors: list[str] = []
+
+        def first() -> None:
+            with s.slice():
+                inside.set()
+                leave.wait(5)
+
+        t = threading.Thread(target=first)
+        t.start()
+        assert inside.wait(5)
+        try:
+            with s.slice():
+                pass
+        except GpudError as exc:
+            errors.append(str(exc))
+        leave.set()
+        t.join()
+        assert errors and "do not nest" in errors[0]
+
+
+def test_a_session_whose_gpu_is_gone_after_a_restart_says_so(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket, unavailable_timeout=5) as c:
+        keep, lost = c.session(0, idle_release=None), c.session(1, idle_release=None)
+        daemon.stop()
+        daemon.args = ["--simulate", "1"]
+        daemon.start()
+        wait_for(lambda: c.reconnects == 1)
+        with keep.slice():
+            assert keep.holding
+        with pytest.raises(GpudError, match="could not be re-attached.*unknown GPU 1"):
+            with lost.slice():
+                pass
