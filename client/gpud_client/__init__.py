@@ -3,6 +3,7 @@
 Imports only msgspec: inference processes link it.
 """
 
+from gpud_client.aio import AsyncClient, AsyncSession
 from gpud_client.client import Client, Session
 from gpud_client.connection import Connection
 from gpud_client.errors import (
@@ -17,6 +18,8 @@ from gpud_client.units import format_bytes, parse_bytes
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AsyncClient",
+    "AsyncSession",
     "Client",
     "Connection",
     "DaemonUnavailable",

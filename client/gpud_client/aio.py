@@ -291,6 +291,8 @@ class AsyncClient:
         self.request_timeout = request_timeout
         self._changed = asyncio.Event()
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._abandoned: set[int] = set()  # ACQUIREs nobody waits for any more
+        self.revoked_leases: set[str] = set()
         self._lock_requests: dict[int, AsyncSession] = {}  # LOCK_REQUEST id -> session
         self._sessions: dict[int, AsyncSession] = {}  # daemon session id -> session
         self._all: list[AsyncSession] = []
@@ -366,26 +368,89 @@ class AsyncClient:
         self._all.append(s)
         return s
 
-    async def call(self, msg: msgspec.Struct) -> Any:
+    async def call(self, msg: msgspec.Struct, timeout: float | None = None) -> Any:
         """Send a request and wait for its answer; an Error becomes an exception."""
         wire = self._require_wire()
         rid = wire.next_id()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        wait = self.request_timeout if timeout is None else timeout
+        done = False
         try:
             wire.send(msgspec.structs.replace(msg, id=rid))
-            async with asyncio.timeout(self.request_timeout):
+            async with asyncio.timeout(wait):
                 await wire.drain()
                 reply = await fut
+            done = True
         except TimeoutError:
-            raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {self.request_timeout} s") from None
+            raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {wait} s") from None
         finally:
+            if not done and isinstance(msg, p.Acquire):
+                self._abandoned.add(rid)  # a grant that comes later is given straight back
             self._pending.pop(rid, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved, also when we were cancelled after it was set
         if isinstance(reply, p.Error):
             raise error_from(reply.code, reply.message)
         return reply
+
+    # --- leases (GpuArbiter) ---------------------------------------------------
+
+    @asynccontextmanager
+    async def lease(self, gpu: int | str = "gpu:0", task_type: str = "OTHER", **fields: Any) -> AsyncIterator[p.LeaseResult]:
+        """``async with client.lease("gpu:0", task_type="ASR") as r:`` -- an
+        acquired lease is released on exit, exceptions and cancellation included."""
+        result = await self.acquire(gpu, task_type, **fields)
+        try:
+            yield result
+        finally:
+            if result.acquired and result.lease_id is not None:
+                await asyncio.shield(self.release_lease(result.lease_id))
+
+    async def acquire(
+        self,
+        gpu: int | str = "gpu:0",
+        task_type: str = "OTHER",
+        *,
+        priority: int | None = None,
+        max_wait_ms: int | None = None,
+        hold_max_ms: int | None = None,
+        queue_limit: int | None = None,
+        busy_policy: p.BusyPolicy | str | None = None,
+        mem_estimate: int | str | None = None,
+        trace: p.Trace | dict[str, Any] | None = None,
+    ) -> p.LeaseResult:
+        """Ask for a lease; fields left out come from the task type's policy.
+        If the caller is cancelled while it waits, a grant that still comes is
+        released at once."""
+        msg = p.Acquire(
+            id=0, gpu=gpu, task_type=task_type, priority=priority, max_wait_ms=max_wait_ms,
+            hold_max_ms=hold_max_ms, queue_limit=queue_limit,
+            busy_policy=None if busy_policy is None else p.BusyPolicy(busy_policy),
+            mem_estimate=_size(mem_estimate),
+            trace=msgspec.convert(trace, p.Trace) if isinstance(trace, dict) else (trace or p.Trace()),
+        )
+        wait = (max_wait_ms if max_wait_ms is not None else 86_400_000) / 1000 + self.request_timeout
+        result: p.LeaseResult = await self.call(msg, timeout=wait)
+        return result
+
+    async def release_lease(self, lease_id: str) -> None:
+        """Give a lease back. Idempotent; another client's lease is refused."""
+        await self.call(p.Release(id=0, lease_id=lease_id))
+
+    async def report_oom(self, gpu: int | str = "gpu:0", task_type: str = "OTHER") -> None:
+        await self.call(p.ReportOom(id=0, gpu=gpu, task_type=task_type))
+
+    async def leases(self) -> p.LeasesReply:
+        reply: p.LeasesReply = await self.call(p.ListLeases(id=0))
+        return reply
+
+    async def policies(self) -> dict[str, p.PolicyInfo]:
+        reply: p.PoliciesReply = await self.call(p.ListPolicies(id=0))
+        return reply.policies
+
+    async def set_policy(self, task_type: str, **fields: Any) -> None:
+        await self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
 
     async def status(self) -> p.StatusReply:
         reply: p.StatusReply = await self.call(p.Status(id=0))
@@ -709,6 +774,13 @@ class AsyncClient:
 
     def _dispatch(self, msg: Any) -> None:
         match msg:
+            case p.LeaseResult(id=rid) if rid in self._abandoned:
+                self._abandoned.discard(rid)
+                if msg.acquired and msg.lease_id is not None and self._wire is not None:
+                    self._wire.send(p.Release(id=self._wire.next_id(), lease_id=msg.lease_id))
+            case p.LeaseRevoked(lease_id=lease_id, reason=reason):
+                log.warning("gpud released lease %s by force (%s)", lease_id, reason)
+                self.revoked_leases.add(lease_id)
             case p.LockOk(session=sid, grant=g):
                 s = self._sessions.get(sid)
                 if s is not None:

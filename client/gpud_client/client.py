@@ -174,6 +174,7 @@ class Client:
         self.scheduler_on: dict[int, bool] = {}
         self.reconnects = 0
         self.revoked_leases: set[str] = set()
+        self._abandoned: set[int] = set()  # ACQUIREs nobody waits for any more
         self._conn: Connection | None = None
         self._open()  # the first connect fails loudly: DaemonUnavailable
         self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
@@ -229,6 +230,9 @@ class Client:
             self._send(conn, msg)
             wait = self.request_timeout if timeout is None else timeout
             if not pend.event.wait(wait):
+                if isinstance(msg, p.Acquire):
+                    with self._cond:
+                        self._abandoned.add(rid)  # a grant that comes later is given straight back
                 raise DaemonUnavailable(f"gpud did not answer {type(msg).__name__} within {wait} s")
         finally:
             with self._cond:
@@ -582,6 +586,10 @@ class Client:
                     s = self._sessions.get(sid)
                     if s is not None:
                         s.mem_error = MemoryLimitExceeded(sid, used, limit)
+                case p.LeaseResult(id=rid) if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                    if msg.acquired and msg.lease_id is not None and self._conn is not None:
+                        self._send(self._conn, p.Release(id=self._conn.next_id(), lease_id=msg.lease_id))
                 case p.LeaseRevoked(lease_id=lease_id, reason=reason):
                     log.warning("gpud released lease %s by force (%s)", lease_id, reason)
                     self.revoked_leases.add(lease_id)

@@ -9,6 +9,7 @@ so the event loop keeps going meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -412,5 +413,35 @@ def test_acquire_keeps_the_lock_until_release(daemon: DaemonProcess) -> None:
             await s.release()
             assert not s.holding
             await wait_for(lambda: holders(daemon) == [])
+
+    asyncio.run(main())
+
+
+def test_async_leases_acquire_release_and_cancellation(daemon: DaemonProcess) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(daemon.socket, name="aio-asr") as c:
+            async with c.lease("gpu:0", task_type="ASR", trace={"job_id": "j", "stage": "asr"}) as r:
+                assert r.acquired and r.lease_id
+                assert [le.lease_id for le in (await c.leases()).leases] == [r.lease_id]
+                other = await AsyncClient.connect(daemon.socket, name="aio-repair")
+                skipped = await other.acquire("gpu:0", task_type="SEMANTIC_REPAIR", max_wait_ms=50)
+                assert (skipped.status, skipped.reason) == ("SKIPPED", "TIMEOUT")
+                waiter = asyncio.ensure_future(other.acquire("gpu:0", task_type="NMT", max_wait_ms=5000))
+                await asyncio.sleep(0.1)
+                waiter.cancel()  # the caller gives up while queued
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+            # the abandoned NMT acquire got the GPU after r's release and was given straight back
+            for _ in range(200):
+                if not (await c.leases()).leases:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await c.leases()).leases == []
+            with contextlib.suppress(RuntimeError):
+                async with c.lease("gpu:0", task_type="TTS") as r2:
+                    assert r2.acquired
+                    raise RuntimeError("tts failed")
+            assert (await c.leases()).leases == []
+            await other.close()
 
     asyncio.run(main())
