@@ -59,6 +59,9 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_GPU = "unknown_gpu"
     UNKNOWN_SESSION = "unknown_session"
     UNKNOWN_CLIENT = "unknown_client"
+    UNKNOWN_TENANT = "unknown_tenant"
+    UNKNOWN_TASK = "unknown_task"
+    INSUFFICIENT = "insufficient"  # not enough free GPUs, CPU cores or tenant quota now
     NOT_HOLDER = "not_holder"  # LOCK_RELEASED for a lock the session does not hold
     STALE_GRANT = "stale_grant"  # LOCK_RELEASED naming an earlier grant
     ALREADY_REQUESTED = "already_requested"  # LOCK_REQUEST while waiting or holding
@@ -109,6 +112,31 @@ class LeaseReason(enum.StrEnum):
     GPU_BUSY = "GPU_BUSY"  # max_wait 0 and the GPU is not free now
     QUEUE_FULL = "QUEUE_FULL"  # queue_limit waiters already on arrival
     TIMEOUT = "TIMEOUT"  # still waiting at max_wait
+
+
+class Strategy(enum.StrEnum):
+    """How an allocation picks among GPUs that fit."""
+
+    FIRST_FIT = "first_fit"  # lowest index first
+    BEST_FIT = "best_fit"  # the tightest fit first (least free share)
+    ROUND_ROBIN = "round_robin"  # start after the GPU chosen last
+    LEAST_LOADED = "least_loaded"  # the most free share first
+    RANDOM = "random"  # random among those that fit (Ray's rule)
+
+
+class PriorityClass(enum.StrEnum):
+    PRODUCTION = "production"
+    HIGH = "high"
+    NORMAL = "normal"
+    BEST_EFFORT = "best-effort"
+
+
+PRIORITY_OF_CLASS = {
+    PriorityClass.PRODUCTION: 100,
+    PriorityClass.HIGH: 75,
+    PriorityClass.NORMAL: 50,
+    PriorityClass.BEST_EFFORT: 10,
+}
 
 
 class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):

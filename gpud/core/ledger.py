@@ -1,0 +1,346 @@
+"""The allocation ledger: whole and fractional GPUs and CPU cores per task id.
+
+Rules kept here:
+- Quantities are fixed point: one GPU is ``UNIT`` (10000) parts, so sums are
+  exact. A request is a whole number of GPUs (>= 1) or a fraction (< 1).
+- A fraction comes from one GPU: two halves of different GPUs never make one.
+  GPUs already partly used are filled before a whole GPU is split; released
+  fractions merge back into their GPU.
+- A request for n whole GPUs takes n GPUs that are entirely free, all or
+  nothing. ``prefer`` is tried first, then the strategy orders the rest.
+- CPU cores are explicit core ids; cores on the NUMA node of the chosen GPUs
+  come first when the node is known.
+- The same task id twice is the same allocation (idempotent).
+- Tenants: a tenant may use its quota plus borrowed idle quota of the other
+  tenants, up to its borrow bound.
+- Not enough now: ``Insufficient`` naming what was short, or, with a wait, a
+  place in a queue served in priority order (FIFO within a priority), each
+  waiter granted as soon as it fits, until its deadline.
+
+A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
+(the node is too full) and changes nothing. Pure: no clock, no storage; time
+is integer microseconds passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from gpud.core.scheduler import Refused
+from gpud_client.protocol import ErrorCode, Strategy
+
+UNIT = 10_000  # one GPU
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    index: int
+    uuid: str
+    numa_node: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    gpus: int  # fixed point
+    borrow: int = 0  # the most it may borrow from others' idle quota, fixed point
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    task_id: str
+    gpus: int  # fixed point: k * UNIT for k whole GPUs, or 1..UNIT-1
+    cpus: int = 0
+    prefer: tuple[int, ...] = ()
+    strategy: Strategy = Strategy.FIRST_FIT
+    tenant: str | None = None
+    priority: int = 50
+    owner_pid: int | None = None
+    wait_us: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    task_id: str
+    gpus: tuple[int, ...]
+    share: int  # fixed point per GPU: UNIT for whole GPUs
+    cpus: tuple[int, ...]
+    tenant: str | None
+    priority: int
+    owner_pid: int | None
+    created_us: int
+
+    @property
+    def total(self) -> int:
+        return self.share * len(self.gpus)
+
+
+class Insufficient(Exception):
+    """The node (or the tenant's quota) cannot hold the request now."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what  # "gpus", "cpus" or "tenant_quota"
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A waiter got its allocation."""
+
+    allocation: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """A waiter's deadline passed; it is out of the queue."""
+
+    task_id: str
+    reason: Insufficient
+
+
+LedgerEffect = Served | Expired
+
+
+@dataclass(slots=True)
+class _Waiter:
+    request: Request
+    deadline: int
+    last_reason: Insufficient
+
+
+@dataclass(slots=True)
+class _Gpu:
+    spec: GpuSpec
+    free: int = UNIT
+    tasks: dict[str, int] = field(default_factory=dict)
+
+
+class Ledger:
+    def __init__(
+        self,
+        gpus: list[GpuSpec],
+        cpus: list[int],
+        *,
+        cpu_numa: dict[int, int] | None = None,
+        tenants: dict[str, TenantQuota] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self._gpus = {g.index: _Gpu(g) for g in gpus}
+        self._cpus = sorted(cpus)
+        self._free_cpus = set(cpus)
+        self._cpu_numa = dict(cpu_numa or {})
+        self._tenants = dict(tenants or {})
+        self._allocs: dict[str, Allocation] = {}
+        self._waiters: list[tuple[int, int, str]] = []  # (-priority, seq, task_id)
+        self._waiting: dict[str, _Waiter] = {}
+        self._seq = itertools.count()
+        self._rng = random.Random(seed)
+        self._rr_last = -1
+
+    # --- calls ------------------------------------------------------------
+
+    def allocate(self, req: Request, now: int) -> Allocation | None:
+        """The allocation, or None if the request now waits (``wait_us`` > 0).
+
+        Raises Refused for a wrong request and Insufficient when it does not
+        fit and may not wait; either way nothing changed."""
+        if req.task_id in self._allocs:
+            return self._allocs[req.task_id]
+        if req.task_id in self._waiting:
+            raise Refused(ErrorCode.INVALID, f"task {req.task_id!r} is already waiting for an allocation")
+        self._validate(req)
+        try:
+            return self._place(req, now)
+        except Insufficient as short:
+            if req.wait_us <= 0:
+                raise
+            self._waiting[req.task_id] = _Waiter(req, now + req.wait_us, short)
+            self._waiters.append((-req.priority, next(self._seq), req.task_id))
+            self._waiters.sort()
+            return None
+
+    def release(self, task_id: str, now: int) -> tuple[Allocation | None, list[LedgerEffect]]:
+        """Free a task's allocation (or withdraw its wait); serve waiters that now fit."""
+        alloc = self._allocs.pop(task_id, None)
+        if alloc is not None:
+            for g in alloc.gpus:
+                gpu = self._gpus[g]
+                gpu.free += gpu.tasks.pop(task_id)
+            self._free_cpus.update(alloc.cpus)
+        elif task_id in self._waiting:
+            self._unwait(task_id)
+        return alloc, self._serve(now)
+
+    def restore(self, alloc: Allocation) -> None:
+        """Put back an allocation read from the store at start-up."""
+        for g in alloc.gpus:
+            if g not in self._gpus or self._gpus[g].free < alloc.share:
+                raise ValueError(f"stored allocation of {alloc.task_id!r} does not fit GPU {g} any more")
+        if not set(alloc.cpus) <= self._free_cpus:
+            raise ValueError(f"stored allocation of {alloc.task_id!r} uses CPU cores that are not free")
+        self._commit(alloc)
+
+    def advance(self, now: int) -> list[LedgerEffect]:
+        """Expire waiters whose deadline passed."""
+        effects: list[LedgerEffect] = []
+        for task_id, w in list(self._waiting.items()):
+            if now >= w.deadline:
+                self._unwait(task_id)
+                effects.append(Expired(task_id, w.last_reason))
+        return effects
+
+    def next_deadline(self) -> int | None:
+        return min((w.deadline for w in self._waiting.values()), default=None)
+
+    # --- reading ------------------------------------------------------------
+
+    def allocations(self) -> list[Allocation]:
+        return list(self._allocs.values())
+
+    def get(self, task_id: str) -> Allocation | None:
+        return self._allocs.get(task_id)
+
+    def waiting(self) -> list[Request]:
+        return [self._waiting[t].request for _, _, t in self._waiters]
+
+    def gpu_free(self, index: int) -> int:
+        return self._gpus[index].free
+
+    def gpu_tasks(self, index: int) -> dict[str, int]:
+        return dict(self._gpus[index].tasks)
+
+    def cpus_free(self) -> list[int]:
+        return sorted(self._free_cpus)
+
+    @property
+    def cpu_count(self) -> int:
+        return len(self._cpus)
+
+    def tenant_usage(self, tenant: str) -> int:
+        return sum(a.total for a in self._allocs.values() if a.tenant == tenant)
+
+    # --- rules ------------------------------------------------------------
+
+    def _validate(self, req: Request) -> None:
+        n = len(self._gpus)
+        if req.gpus < 0:
+            raise Refused(ErrorCode.INVALID, f"gpus must be positive, got {req.gpus / UNIT:g}")
+        if req.gpus == 0 and req.cpus <= 0:
+            raise Refused(ErrorCode.INVALID, "0 GPUs and 0 CPU cores: ask for at least some GPU share or one CPU core")
+        if req.gpus > UNIT and req.gpus % UNIT:
+            raise Refused(
+                ErrorCode.INVALID,
+                f"{req.gpus / UNIT:g} GPUs: ask for a whole number of GPUs, or a fraction below 1 from one GPU",
+            )
+        if req.gpus // UNIT > n:
+            raise Refused(ErrorCode.INVALID, f"{req.gpus // UNIT} GPUs asked, this node has {n}")
+        if req.cpus < 0 or req.cpus > len(self._cpus):
+            raise Refused(ErrorCode.INVALID, f"{req.cpus} CPU cores asked, this node has {len(self._cpus)}")
+        for g in req.prefer:
+            if g not in self._gpus:
+                raise Refused(ErrorCode.UNKNOWN_GPU, f"unknown GPU {g} in prefer (this node has GPUs "
+                              + ", ".join(map(str, self._gpus)) + ")")
+        if req.tenant is not None and req.tenant not in self._tenants:
+            known = ", ".join(sorted(self._tenants)) or "none configured"
+            raise Refused(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r} (tenants: {known})")
+
+    def _place(self, req: Request, now: int) -> Allocation:
+        self._check_tenant(req)
+        gpus = self._choose_gpus(req) if req.gpus > 0 else []
+        cpus = self._choose_cpus(req.cpus, gpus)
+        share = UNIT if req.gpus >= UNIT else req.gpus
+        alloc = Allocation(req.task_id, tuple(gpus), share if gpus else 0, tuple(cpus), req.tenant, req.priority,
+                           req.owner_pid, now)
+        if req.strategy == Strategy.ROUND_ROBIN and gpus:
+            self._rr_last = gpus[-1]
+        self._commit(alloc)
+        return alloc
+
+    def _commit(self, alloc: Allocation) -> None:
+        for g in alloc.gpus:
+            gpu = self._gpus[g]
+            gpu.free -= alloc.share
+            gpu.tasks[alloc.task_id] = alloc.share
+        self._free_cpus.difference_update(alloc.cpus)
+        self._allocs[alloc.task_id] = alloc
+
+    def _check_tenant(self, req: Request) -> None:
+        if req.tenant is None:
+            return
+        quota = self._tenants[req.tenant]
+        used = self.tenant_usage(req.tenant)
+        over = used + req.gpus - quota.gpus
+        if over <= 0:
+            return
+        idle = sum(max(0, q.gpus - self.tenant_usage(t)) for t, q in self._tenants.items() if t != req.tenant)
+        if over > quota.borrow or over > idle:
+            raise Insufficient(
+                "tenant_quota",
+                f"tenant {req.tenant!r} uses {used / UNIT:g} of its {quota.gpus / UNIT:g} GPUs; "
+                f"{req.gpus / UNIT:g} more needs {over / UNIT:g} borrowed, and it may borrow "
+                f"{min(quota.borrow, idle) / UNIT:g} now (bound {quota.borrow / UNIT:g}, idle elsewhere {idle / UNIT:g})",
+            )
+
+    def _order(self, candidates: list[_Gpu], req: Request) -> list[_Gpu]:
+        match req.strategy:
+            case Strategy.BEST_FIT:
+                ordered = sorted(candidates, key=lambda g: (g.free, g.spec.index))
+            case Strategy.LEAST_LOADED:
+                ordered = sorted(candidates, key=lambda g: (-g.free, g.spec.index))
+            case Strategy.ROUND_ROBIN:
+                ordered = sorted(candidates, key=lambda g: ((g.spec.index - self._rr_last - 1) % (1 << 30)))
+            case Strategy.RANDOM:
+                ordered = sorted(candidates, key=lambda g: g.spec.index)
+                self._rng.shuffle(ordered)
+            case _:
+                ordered = sorted(candidates, key=lambda g: g.spec.index)
+        preferred = [g for p in req.prefer for g in ordered if g.spec.index == p]
+        return preferred + [g for g in ordered if g not in preferred]
+
+    def _choose_gpus(self, req: Request) -> list[int]:
+        if req.gpus >= UNIT:
+            need = req.gpus // UNIT
+            free = [g for g in self._gpus.values() if g.free == UNIT]
+            if len(free) < need:
+                raise Insufficient("gpus", f"{need} whole GPU(s) asked, {len(free)} entirely free now")
+            return [g.spec.index for g in self._order(free, req)[:need]]
+        fits = [g for g in self._gpus.values() if g.free >= req.gpus]
+        if not fits:
+            most = max((g.free for g in self._gpus.values()), default=0)
+            raise Insufficient("gpus", f"{req.gpus / UNIT:g} of one GPU asked, the most free on any GPU is {most / UNIT:g}")
+        partly = [g for g in fits if g.free < UNIT]
+        whole = [g for g in fits if g.free == UNIT]
+        preferred = [g for g in fits if g.spec.index in req.prefer]
+        if preferred:
+            return [self._order(preferred, req)[0].spec.index]
+        return [(self._order(partly, req) or self._order(whole, req))[0].spec.index]
+
+    def _choose_cpus(self, count: int, gpus: list[int]) -> list[int]:
+        if count == 0:
+            return []
+        if len(self._free_cpus) < count:
+            raise Insufficient("cpus", f"{count} CPU core(s) asked, {len(self._free_cpus)} free now")
+        nodes = {self._gpus[g].spec.numa_node for g in gpus} - {None}
+        local = sorted(c for c in self._free_cpus if self._cpu_numa.get(c) in nodes)
+        rest = sorted(c for c in self._free_cpus if c not in local)
+        return (local + rest)[:count]
+
+    def _unwait(self, task_id: str) -> None:
+        del self._waiting[task_id]
+        self._waiters = [w for w in self._waiters if w[2] != task_id]
+
+    def _serve(self, now: int) -> list[LedgerEffect]:
+        """Grant waiters in priority order, each as soon as it fits."""
+        effects: list[LedgerEffect] = []
+        for _, _, task_id in list(self._waiters):
+            w = self._waiting[task_id]
+            try:
+                alloc = self._place(w.request, now)
+            except Insufficient as short:
+                w.last_reason = short
+                continue
+            self._unwait(task_id)
+            effects.append(Served(alloc))
+        return effects
