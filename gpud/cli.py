@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -130,6 +131,28 @@ def render_policies(reply: p.PoliciesReply) -> str:
     return _table(rows, ["TASK", "PRIORITY", "BUSY", "MAX WAIT", "QUEUE LIMIT", "HOLD MAX"])
 
 
+def render_allocs(reply: p.AllocationsReply) -> str:
+    rows = [
+        [a.task_id, a.cuda_visible_devices or "-", f"{a.share:g}" if a.gpus else "-", _cpuset(a.cpus),
+         a.tenant or "-", str(a.priority), str(a.owner_pid or "-")]
+        for a in reply.allocations
+    ]
+    out = [_table(rows, ["TASK", "GPUS", "SHARE", "CPUS", "TENANT", "PRIO", "OWNER"]) if rows else "no allocations"]
+    gpu_rows = [[str(g.index), f"{g.allocated:g}", f"{g.free:g}", ", ".join(f"{t}:{v:g}" for t, v in g.tasks.items()) or "-"]
+                for g in reply.gpus]
+    out += ["", _table(gpu_rows, ["GPU", "ALLOCATED", "FREE", "TASKS"])]
+    out += [f"CPU cores: {reply.cpus_total - len(reply.cpus_free)} of {reply.cpus_total} allocated"]
+    if reply.waiting:
+        out += [f"waiting: {', '.join(reply.waiting)}"]
+    for name, t in reply.tenants.items():
+        out += [f"tenant {name}: {t.used:g} of {t.quota:g} GPUs (may borrow {t.borrow:g})"]
+    return "\n".join(out)
+
+
+def _cpuset(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus)) or "-"
+
+
 def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str) -> None:
     if args.json:
         data = msgspec.to_builtins(obj)
@@ -200,6 +223,56 @@ def cmd_policy(args: argparse.Namespace) -> None:
     if args.task_type is not None:
         reply = p.PoliciesReply(id=reply.id, policies={args.task_type: reply.policies[args.task_type]})
     _emit(args, reply, render_policies(reply))
+
+
+def cmd_alloc(args: argparse.Namespace) -> None:
+    prefer = [_gpu_ref(x) for x in args.prefer.split(",")] if args.prefer else []
+    priority: int | str | None = args.priority
+    msg = p.Allocate(
+        id=0, task_id=args.task, gpus=args.gpus, cpus=args.cpus, prefer=prefer, strategy=p.Strategy(args.strategy),
+        tenant=args.tenant, priority=priority if isinstance(priority, int) else None,
+        priority_class=p.PriorityClass(priority) if isinstance(priority, str) else None,
+        wait_ms=round(args.wait * 1000), owner_pid=args.owner_pid,
+    )
+    with _connect(args) as conn:
+        reply = conn.call(msgspec.structs.replace(msg, id=conn.next_id()), timeout=args.wait + 30)
+    if args.json:
+        _emit(args, reply, "")
+        return
+    env = {
+        "CUDA_VISIBLE_DEVICES": reply.cuda_visible_devices,
+        "GPUD_TASK_ID": reply.task_id,
+        "GPUD_GPU_SHARE": f"{reply.share:g}",
+        "GPUD_CPUS": _cpuset(reply.cpus) if reply.cpus else "",
+    }
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+
+
+def cmd_free(args: argparse.Namespace) -> None:
+    with _connect(args) as conn:
+        conn.call(p.Free(id=conn.next_id(), task_id=args.task))
+    _done(args, f"freed the allocation of task {args.task}", task_id=args.task)
+
+
+def cmd_allocs(args: argparse.Namespace) -> None:
+    with _connect(args) as conn:
+        reply = conn.call(p.ListAllocations(id=conn.next_id()))
+    _emit(args, reply, render_allocs(reply))
+
+
+def _priority_arg(text: str) -> int | str:
+    if text.isdigit() and 0 <= int(text) <= 100:
+        return int(text)
+    if text in {c.value for c in p.PriorityClass}:
+        return text
+    raise argparse.ArgumentTypeError(f"priority must be 0..100 or production, high, normal, best-effort; got {text!r}")
+
+
+def _gpu_count(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GPUs: {text!r}") from None
 
 
 def cmd_mode(args: argparse.Namespace) -> None:
@@ -305,6 +378,23 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
     limit.add_argument("--gpu", help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
+    alloc = sub.add_parser("alloc", parents=[common], help="assign GPUs/CPU cores to a task; prints shell exports")
+    alloc.add_argument("--task", required=True, help="the task id (the same id again: the same allocation)")
+    alloc.add_argument("--gpus", type=_gpu_count, default=1.0, help="whole number >= 1, or a fraction < 1 (default 1)")
+    alloc.add_argument("--cpus", type=_count, default=0, help="CPU cores (default 0)")
+    alloc.add_argument("--prefer", help="GPUs to try first, e.g. 2,3")
+    alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
+    alloc.add_argument("--tenant")
+    alloc.add_argument("--priority", type=_priority_arg, help="0..100 or production|high|normal|best-effort")
+    alloc.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for room")
+    alloc.add_argument("--owner-pid", type=int, help="reclaim the allocation when this process dies")
+    alloc.set_defaults(func=cmd_alloc)
+    free = sub.add_parser("free", parents=[common], help="release a task's allocation")
+    free.add_argument("--task", required=True)
+    free.set_defaults(func=cmd_free)
+    sub.add_parser("allocs", parents=[common], help="allocations, per-GPU shares, CPU cores, tenants").set_defaults(
+        func=cmd_allocs
+    )
     sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
     pol.add_argument("task_type", nargs="?", help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")

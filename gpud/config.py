@@ -37,6 +37,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
 
 
+class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpus: Annotated[float, Meta(ge=0, le=1024)]  # quota, in GPUs (fractions allowed)
+    borrow: Annotated[float, Meta(ge=0, le=1024)] = 0.0  # the most it may borrow of others' idle quota
+    uids: list[int] = []  # who may allocate as this tenant; none listed: anyone
+    gids: list[int] = []
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     socket: str = DEFAULT_SOCKET
     socket_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o660
@@ -58,6 +65,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     lease_hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] = DEFAULT_HOLD_MAX_MS
     lease_force_release: bool = False
     policies: dict[str, PolicyConfig] = {}
+    # Allocations
+    state_dir: str = "/var/lib/gpud"
+    state_sync: Literal["normal", "full"] = "normal"
+    reap_interval_s: Annotated[float, Meta(ge=0, le=3600)] = 5.0  # 0: never reclaim dead owners' allocations
+    tenants: dict[str, TenantConfig] = {}
     # Operations
     metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 2**20)] = MAX_FRAME_BYTES

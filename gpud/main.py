@@ -36,6 +36,7 @@ _OPTIONS: list[tuple[str, str, type, str, str]] = [
     ("--drop-tail", "drop_tail_billing_percent", int, "PERCENT", "billing rate between DROP_LOCK and release (100)"),
     ("--share-windows", "share_windows", int, "N", "windows in the recent-share figure (10)"),
     ("--metrics-addr", "metrics_addr", str, "HOST:PORT", "Prometheus endpoint, or off (127.0.0.1:9402)"),
+    ("--state-dir", "state_dir", str, "DIR", "where allocations are kept (/var/lib/gpud)"),
     ("--log-level", "log_level", str, "LEVEL", "debug, info, warning or error (default info)"),
     ("--log-format", "log_format", str, "FORMAT", "auto, json or console (default auto)"),
 ]

@@ -31,6 +31,7 @@ import msgspec
 import structlog
 import trio
 
+from gpud.allocator import Allocator
 from gpud.arbiter import Arbiter
 from gpud.config import Config
 from gpud.core.gpus import GpuIdentity, resolve_gpu
@@ -91,6 +92,11 @@ class Daemon:
         self._codec = p.daemon_codec()
         self.daemon_uid = os.getuid()
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
+        self.allocator = Allocator(self, config, sorted(os.sched_getaffinity(0)))
+        self.allocator_wake = trio.Event()
+
+    def wake_allocator(self) -> None:
+        self.allocator_wake.set()
 
     # --- plumbing -----------------------------------------------------------
 
@@ -183,6 +189,7 @@ class Daemon:
             self.owners.pop(sid, None)
             self.carry_out(slot, effects)
         self.arbiter.connection_closed(conn, now)
+        self.allocator.connection_closed(conn, now)
         conn.sessions.clear()
         if conn.greeted:
             log.info("client_detached", client=conn.client_id, pid=conn.pid, name=conn.name)
@@ -267,6 +274,17 @@ class Daemon:
                 return p.Ok(id=msg.id)
             case p.ListPolicies():
                 return p.PoliciesReply(id=msg.id, policies=self.arbiter.policy_infos())
+            case p.Allocate():
+                return self.allocator.allocate(conn, msg, now)  # None: it waits, answered later
+            case p.Free(task_id=task_id):
+                self.allocator.free(conn, task_id, now)
+                return p.Ok(id=msg.id)
+            case p.ListAllocations():
+                self.allocator.advance(now)
+                return self.allocator.listing(msg.id)
+            case p.ResetAllocations():
+                self.allocator.reset(conn, now)
+                return p.Ok(id=msg.id)
             case p.Status():
                 self.settle_all(now)
                 return status_reply(self, msg.id, now)
@@ -283,9 +301,15 @@ class Daemon:
     def attach(self, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
         slot = self.slots[self.gpu_index(msg.gpu)]
         sid = next(self._session_ids)
+        core_limit, mem_limit = msg.core_limit, msg.mem_limit
+        task_id = msg.task_id or conn.labels.get("task_id")
+        bridged = task_id and self.allocator.bridge(task_id, slot.gpu.index, slot.gpu.memory_total_bytes)
+        if bridged:  # a fractional allocation is enforced, unless the session asks for less
+            core_limit = min(core_limit, bridged[0])
+            mem_limit = bridged[1] if mem_limit is None else min(mem_limit, bridged[1])
+            msg = msgspec.structs.replace(msg, core_limit=core_limit, mem_limit=mem_limit)
         effects = slot.scheduler.attach(
-            sid, now, priority=msg.priority, core_limit=msg.core_limit,
-            mem_estimate=msg.mem_estimate, mem_limit=msg.mem_limit,
+            sid, now, priority=msg.priority, core_limit=core_limit, mem_estimate=msg.mem_estimate, mem_limit=mem_limit,
         )
         conn.sessions[sid] = slot.gpu.index
         self.owners[sid] = conn
@@ -516,12 +540,32 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
         daemon.carry_out(slot, slot.scheduler.advance(now_us()))
 
 
+async def run_allocator_timer(daemon: Daemon) -> None:
+    """Expire allocation waits on time; reclaim allocations of dead owners."""
+    interval = daemon.config.reap_interval_s
+    next_reap = now_us() + round(interval * 1e6) if interval else None
+    while True:
+        daemon.allocator_wake = trio.Event()
+        times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap) if t is not None]
+        if times:
+            with trio.move_on_after(max(0.0, (min(times) - now_us()) / 1e6)):
+                await daemon.allocator_wake.wait()
+        else:
+            await daemon.allocator_wake.wait()
+        now = now_us()
+        daemon.allocator.advance(now)
+        if next_reap is not None and now >= next_reap:
+            daemon.allocator.reap(now)
+            next_reap = now + round(interval * 1e6)
+
+
 async def serve(
     daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     async with trio.open_nursery() as nursery:
         for slot in daemon.slots:
             nursery.start_soon(run_timer, daemon, slot)
+        nursery.start_soon(run_allocator_timer, daemon)
 
         async def handler(stream: trio.SocketStream) -> None:
             await serve_connection(daemon, stream)

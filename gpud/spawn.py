@@ -29,6 +29,8 @@ class DaemonProcess:
 
     def start(self, timeout: float = 10.0) -> DaemonProcess:
         extra = [] if any(a.startswith("--metrics-addr") for a in self.args) else ["--metrics-addr", "off"]
+        if not any(a.startswith("--state-dir") for a in self.args):
+            extra += ["--state-dir", os.path.join(self.workdir, "state")]
         cmd = [sys.executable, "-m", "gpud.main", "--socket", self.socket, "--log-format", "json", *extra, *self.args]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)

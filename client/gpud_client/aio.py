@@ -69,6 +69,7 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
+from gpud_client.client import _allocate_msg
 from gpud_client.units import parse_bytes
 
 log = logging.getLogger("gpud_client")
@@ -451,6 +452,39 @@ class AsyncClient:
 
     async def set_policy(self, task_type: str, **fields: Any) -> None:
         await self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
+
+    # --- allocations ---------------------------------------------------------
+
+    async def allocate(
+        self,
+        task_id: str,
+        gpus: float = 1,
+        *,
+        cpus: int = 0,
+        prefer: list[int | str] | None = None,
+        strategy: p.Strategy | str = p.Strategy.FIRST_FIT,
+        tenant: str | None = None,
+        priority: int | p.PriorityClass | str | None = None,
+        wait_ms: int = 0,
+        owner_pid: int | None = None,
+    ) -> p.Allocated:
+        """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises
+        ProtocolError with code ``insufficient`` when the node cannot hold it
+        (after waiting up to ``wait_ms`` in the priority queue)."""
+        msg = _allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
+        reply: p.Allocated = await self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)
+        return reply
+
+    async def release_allocation(self, task_id: str) -> None:
+        await self.call(p.Free(id=0, task_id=task_id))
+
+    async def allocations(self) -> p.AllocationsReply:
+        reply: p.AllocationsReply = await self.call(p.ListAllocations(id=0))
+        return reply
+
+    async def reset_allocations(self) -> None:
+        """Admin: release every allocation on the node."""
+        await self.call(p.ResetAllocations(id=0))
 
     async def status(self) -> p.StatusReply:
         reply: p.StatusReply = await self.call(p.Status(id=0))

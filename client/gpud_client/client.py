@@ -43,6 +43,25 @@ def _size(value: int | str | None) -> int | None:
     return parse_bytes(value) if isinstance(value, str) else value
 
 
+def _allocate_msg(
+    task_id: str,
+    gpus: float,
+    cpus: int,
+    prefer: list[int | str] | None,
+    strategy: p.Strategy | str,
+    tenant: str | None,
+    priority: int | p.PriorityClass | str | None,
+    wait_ms: int,
+    owner_pid: int | None,
+) -> p.Allocate:
+    level = priority if isinstance(priority, int) else None
+    klass = p.PriorityClass(priority) if isinstance(priority, str) else None
+    return p.Allocate(
+        id=0, task_id=task_id, gpus=float(gpus), cpus=cpus, prefer=list(prefer or []), strategy=p.Strategy(strategy),
+        tenant=tenant, priority=level, priority_class=klass, wait_ms=wait_ms, owner_pid=owner_pid,
+    )
+
+
 class _Pending:
     __slots__ = ("event", "reply")
 
@@ -317,6 +336,39 @@ class Client:
     def set_policy(self, task_type: str, **fields: Any) -> None:
         """Hot-update a task type's lease policy (admin)."""
         self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
+
+    # --- allocations ---------------------------------------------------------
+
+    def allocate(
+        self,
+        task_id: str,
+        gpus: float = 1,
+        *,
+        cpus: int = 0,
+        prefer: list[int | str] | None = None,
+        strategy: p.Strategy | str = p.Strategy.FIRST_FIT,
+        tenant: str | None = None,
+        priority: int | p.PriorityClass | str | None = None,
+        wait_ms: int = 0,
+        owner_pid: int | None = None,
+    ) -> p.Allocated:
+        """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises
+        ProtocolError with code ``insufficient`` when the node cannot hold it
+        (after waiting up to ``wait_ms`` in the priority queue)."""
+        msg = _allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
+        reply: p.Allocated = self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)
+        return reply
+
+    def release_allocation(self, task_id: str) -> None:
+        self.call(p.Free(id=0, task_id=task_id))
+
+    def allocations(self) -> p.AllocationsReply:
+        reply: p.AllocationsReply = self.call(p.ListAllocations(id=0))
+        return reply
+
+    def reset_allocations(self) -> None:
+        """Admin: release every allocation on the node."""
+        self.call(p.ResetAllocations(id=0))
 
     def set_mode(self, mode: p.Mode | str, gpu: int | str | None = None) -> None:
         self.call(p.SetMode(id=0, mode=p.Mode(mode), gpu=gpu))

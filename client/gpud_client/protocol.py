@@ -162,6 +162,7 @@ class Attach(_Msg, tag="ATTACH", frozen=True):
     core_limit: CoreLimit = 100
     mem_limit: Bytes | None = None  # use above it is reported back (MEM_LIMIT_EXCEEDED)
     mem_estimate: Bytes | None = None  # for admission; None with no report: the whole GPU
+    task_id: TaskId | None = None  # a fractional allocation of this task sets the limits (unless lower)
 
 
 class Detach(_Msg, tag="DETACH", frozen=True):
@@ -269,6 +270,44 @@ class ListPolicies(_Msg, tag="POLICIES", frozen=True):
     id: RequestId
 
 
+TaskId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
+
+
+class Allocate(_Msg, tag="ALLOCATE", frozen=True):
+    """Assign GPUs (whole, or a fraction of one) and CPU cores to a task id.
+    Answered by ALLOCATED, or by ERROR insufficient (at once, or after
+    wait_ms in the priority queue). The same task id again: the same answer."""
+
+    id: RequestId
+    task_id: TaskId
+    gpus: float = 1.0  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
+    cpus: Annotated[int, Meta(ge=0, le=100_000)] = 0
+    prefer: Annotated[list[GpuRef], Meta(max_length=1024)] = []
+    strategy: Strategy = Strategy.FIRST_FIT
+    tenant: Name | None = None
+    priority: Priority | None = None
+    priority_class: PriorityClass | None = None
+    wait_ms: Millis = 0
+    owner_pid: Annotated[int, Meta(ge=1)] | None = None  # reclaimed when this process dies
+
+
+class Free(_Msg, tag="FREE", frozen=True):
+    """Release a task's allocation (or withdraw its wait)."""
+
+    id: RequestId
+    task_id: TaskId
+
+
+class ListAllocations(_Msg, tag="ALLOCS", frozen=True):
+    id: RequestId
+
+
+class ResetAllocations(_Msg, tag="RESET_ALLOCS", frozen=True):
+    """Admin: release every allocation."""
+
+    id: RequestId
+
+
 class SetMode(_Msg, tag="SET_MODE", frozen=True):
     id: RequestId
     mode: Mode
@@ -314,6 +353,10 @@ ClientMessage = Union[
     ListLeases,
     SetPolicy,
     ListPolicies,
+    Allocate,
+    Free,
+    ListAllocations,
+    ResetAllocations,
     SchedOn,
     SchedOff,
     SetTq,
@@ -409,6 +452,44 @@ class PolicyInfo(Struct, frozen=True, kw_only=True):
 class PoliciesReply(_Msg, tag="POLICIES_REPLY", frozen=True):
     id: RequestId
     policies: dict[str, PolicyInfo]
+
+
+class Allocated(_Msg, tag="ALLOCATED", frozen=True):
+    id: RequestId
+    task_id: str
+    gpus: list[int]
+    uuids: list[str]
+    share: float  # of each GPU: 1.0 for whole GPUs
+    cpus: list[int]
+    cuda_visible_devices: str
+    tenant: str | None
+    priority: int
+    owner_pid: int | None
+    waited_ms: float = 0.0
+
+
+class GpuAllocationSummary(Struct, frozen=True, kw_only=True):
+    index: int
+    uuid: str
+    allocated: float  # share of the GPU, 0..1
+    free: float
+    tasks: dict[str, float]
+
+
+class TenantSummary(Struct, frozen=True, kw_only=True):
+    quota: float
+    borrow: float
+    used: float
+
+
+class AllocationsReply(_Msg, tag="ALLOCS_REPLY", frozen=True):
+    id: RequestId
+    allocations: list[Allocated]
+    waiting: list[str]
+    gpus: list[GpuAllocationSummary]
+    cpus_total: int
+    cpus_free: list[int]
+    tenants: dict[str, TenantSummary]
 
 
 class LimitsSet(_Msg, tag="LIMITS_SET", frozen=True):
@@ -556,6 +637,8 @@ DaemonMessage = Union[
     Attached,
     LimitsSet,
     LimitsChanged,
+    Allocated,
+    AllocationsReply,
     LeaseResult,
     LeaseRevoked,
     LeasesReply,

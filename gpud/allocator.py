@@ -1,0 +1,239 @@
+"""The shell's side of allocations: requests in, ledger decisions, SQLite out.
+
+The ledger (``gpud.core.ledger``) decides; this module checks who may ask,
+commits every change to the store before it answers (so nothing acknowledged
+is ever lost), answers waiters when the ledger serves or expires them, and
+reclaims allocations whose owner process died. It never decides placement.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+from typing import TYPE_CHECKING
+
+import structlog
+
+from gpud.config import Config
+from gpud.core.ledger import UNIT, Allocation, Expired, GpuSpec, Insufficient, Ledger, LedgerEffect, Request, Served, TenantQuota
+from gpud.core.scheduler import Refused
+from gpud.store import Store
+from gpud_client import protocol as p
+
+if TYPE_CHECKING:
+    from gpud.server import Connection, Daemon
+
+log = structlog.get_logger("gpud.allocator")
+
+
+def fixed_gpus(value: float) -> int:
+    """GPUs as the wire carries them (a float) -> fixed point, refusing what is not exact."""
+    if not math.isfinite(value):
+        raise Refused(p.ErrorCode.INVALID, f"gpus must be a number, got {value}")
+    fixed = round(value * UNIT)
+    if abs(value * UNIT - fixed) > 1e-6:
+        raise Refused(p.ErrorCode.INVALID, f"gpus {value} is finer than 1/{UNIT} of a GPU")
+    return fixed
+
+
+class Allocator:
+    def __init__(self, daemon: Daemon, config: Config, cpus: list[int]) -> None:
+        self.daemon = daemon
+        self.config = config
+        specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in daemon.slots]
+        tenants = {name: TenantQuota(fixed_gpus(t.gpus), fixed_gpus(t.borrow)) for name, t in config.tenants.items()}
+        self.ledger = Ledger(specs, cpus, tenants=tenants, seed=int.from_bytes(os.urandom(4), "big"))
+        try:
+            self.store = Store(config.state_dir, sync=config.state_sync)
+        except (OSError, sqlite3.Error) as exc:
+            raise RuntimeError(f"cannot open the allocation store in {config.state_dir}: {exc}") from None
+        self.uids: dict[str, int] = {}  # task id -> uid that allocated it
+        self.waiters: dict[str, tuple[Connection, int, int]] = {}  # task id -> (conn, request id, since)
+        for alloc, uid in self.store.load():
+            try:
+                self.ledger.restore(alloc)
+            except ValueError as exc:  # the node shrank: keep the record, say so, go on
+                log.error("allocation_not_restored", task_id=alloc.task_id, reason=str(exc))
+                continue
+            self.uids[alloc.task_id] = uid
+        if self.uids:
+            log.info("allocations_restored", count=len(self.uids), path=self.store.path)
+
+    # --- requests -----------------------------------------------------------
+
+    def allocate(self, conn: Connection, msg: p.Allocate, now: int) -> p.Allocated | None:
+        if msg.tenant is not None:
+            self._check_member(conn, msg.tenant)
+        priority = msg.priority
+        if priority is None:
+            priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else 50
+        req = Request(
+            task_id=msg.task_id, gpus=fixed_gpus(msg.gpus), cpus=msg.cpus,
+            prefer=tuple(self._prefer(ref) for ref in msg.prefer), strategy=msg.strategy, tenant=msg.tenant,
+            priority=priority, owner_pid=msg.owner_pid, wait_us=msg.wait_ms * 1000,
+        )
+        existing = self.ledger.get(msg.task_id)
+        try:
+            alloc = self.ledger.allocate(req, now)
+        except Insufficient as short:
+            raise Refused(p.ErrorCode.INSUFFICIENT, short.message) from None
+        if alloc is None:
+            self.waiters[msg.task_id] = (conn, msg.id, now)
+            self.daemon.wake_allocator()
+            log.info("allocation_waiting", task_id=msg.task_id, wait_ms=msg.wait_ms, priority=priority)
+            return None
+        if existing is None:
+            self._persist(alloc, conn.uid)
+        return self.answer(msg.id, alloc, 0.0)
+
+    def free(self, conn: Connection, task_id: str, now: int) -> None:
+        alloc = self.ledger.get(task_id)
+        if alloc is None and task_id not in self.waiters:
+            raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
+        if alloc is not None:
+            self._check_may_free(conn, alloc)
+            try:
+                self.store.delete(task_id)  # committed before the ledger forgets it
+            except sqlite3.Error as exc:
+                log.error("store_failed", task_id=task_id, error=str(exc))
+                raise Refused(p.ErrorCode.INTERNAL, f"could not record the release durably: {exc}") from None
+            self.uids.pop(task_id, None)
+        else:
+            waiter = self.waiters[task_id][0]
+            if waiter is not conn and not self.daemon.is_admin(conn):
+                raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} waits for another client")
+            self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "the wait was withdrawn")
+        _, effects = self.ledger.release(task_id, now)
+        log.info("allocation_freed", task_id=task_id, by_pid=conn.pid)
+        self.carry_out(effects, now)
+
+    def reset(self, conn: Connection, now: int) -> None:
+        if not self.daemon.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})")
+        self.store.clear()
+        self.uids.clear()
+        log.warning("allocations_reset", by_pid=conn.pid, count=len(self.ledger.allocations()))
+        for alloc in self.ledger.allocations():
+            self.carry_out(self.ledger.release(alloc.task_id, now)[1], now)
+
+    def connection_closed(self, conn: Connection, now: int) -> None:
+        """Waits die with their connection; allocations outlive it (they are durable)."""
+        for task_id in [t for t, (c, _, _) in self.waiters.items() if c is conn]:
+            del self.waiters[task_id]
+            self.carry_out(self.ledger.release(task_id, now)[1], now)
+
+    # --- timers -------------------------------------------------------------
+
+    def advance(self, now: int) -> None:
+        self.carry_out(self.ledger.advance(now), now)
+
+    def reap(self, now: int) -> None:
+        """Reclaim allocations whose owner process is gone."""
+        for alloc in self.ledger.allocations():
+            if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
+                self.store.delete(alloc.task_id)
+                self.uids.pop(alloc.task_id, None)
+                _, effects = self.ledger.release(alloc.task_id, now)
+                log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
+                self.carry_out(effects, now)
+
+    def carry_out(self, effects: list[LedgerEffect], now: int) -> None:
+        for e in effects:
+            match e:
+                case Served(allocation=alloc):
+                    conn, rid, since = self.waiters.pop(alloc.task_id)
+                    self._persist(alloc, conn.uid)
+                    self.daemon.send(conn, self.answer(rid, alloc, (now - since) / 1000))
+                case Expired(task_id=task_id, reason=reason):
+                    self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, f"{reason.message} (waited the full wait_ms)")
+
+    # --- answers ------------------------------------------------------------
+
+    def answer(self, rid: int, alloc: Allocation, waited_ms: float) -> p.Allocated:
+        return p.Allocated(
+            id=rid, task_id=alloc.task_id, gpus=list(alloc.gpus),
+            uuids=[self.daemon.slots[g].gpu.uuid for g in alloc.gpus], share=alloc.share / UNIT,
+            cpus=list(alloc.cpus), cuda_visible_devices=",".join(map(str, alloc.gpus)), tenant=alloc.tenant,
+            priority=alloc.priority, owner_pid=alloc.owner_pid, waited_ms=round(waited_ms, 3),
+        )
+
+    def listing(self, rid: int) -> p.AllocationsReply:
+        gpus = []
+        for slot in self.daemon.slots:
+            free = self.ledger.gpu_free(slot.gpu.index)
+            tasks = {t: share / UNIT for t, share in self.ledger.gpu_tasks(slot.gpu.index).items()}
+            gpus.append(p.GpuAllocationSummary(index=slot.gpu.index, uuid=slot.gpu.uuid,
+                                               allocated=(UNIT - free) / UNIT, free=free / UNIT, tasks=tasks))
+        tenants = {
+            name: p.TenantSummary(quota=t.gpus, borrow=t.borrow, used=self.ledger.tenant_usage(name) / UNIT)
+            for name, t in self.config.tenants.items()
+        }
+        return p.AllocationsReply(
+            id=rid, allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()],
+            waiting=[r.task_id for r in self.ledger.waiting()], gpus=gpus, cpus_total=self.ledger.cpu_count,
+            cpus_free=self.ledger.cpus_free(), tenants=tenants,
+        )
+
+    def bridge(self, task_id: str, gpu: int, memory_total: int) -> tuple[int, int] | None:
+        """(core_limit, mem_limit) that a fractional allocation of ``task_id`` on ``gpu`` implies."""
+        alloc = self.ledger.get(task_id)
+        if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
+            return None
+        return max(1, alloc.share * 100 // UNIT), memory_total * alloc.share // UNIT
+
+    # --- helpers ------------------------------------------------------------
+
+    def _persist(self, alloc: Allocation, uid: int) -> None:
+        try:
+            self.store.put(alloc, uid)
+        except sqlite3.Error as exc:
+            self.ledger.release(alloc.task_id, 0)
+            log.error("store_failed", task_id=alloc.task_id, error=str(exc))
+            raise Refused(p.ErrorCode.INTERNAL, f"could not record the allocation durably: {exc}") from None
+        self.uids[alloc.task_id] = uid
+        log.info("allocation_made", task_id=alloc.task_id, gpus=list(alloc.gpus), share=alloc.share / UNIT,
+                 cpus=list(alloc.cpus), tenant=alloc.tenant, owner_pid=alloc.owner_pid)
+
+    def _answer_error(self, task_id: str, code: p.ErrorCode, message: str) -> None:
+        waiter = self.waiters.pop(task_id, None)
+        if waiter is not None:
+            conn, rid, _ = waiter
+            self.daemon.send(conn, p.Error(id=rid, code=code, message=f"task {task_id!r}: {message}"))
+
+    def _prefer(self, ref: int | str) -> int:
+        try:
+            return self.daemon.gpu_index(ref)
+        except Refused as exc:
+            raise Refused(p.ErrorCode.UNKNOWN_GPU, f"{exc.message} in prefer") from None
+
+    def _member(self, conn: Connection, tenant: str) -> bool:
+        t = self.config.tenants.get(tenant)
+        if t is None:
+            return False
+        return (not t.uids and not t.gids) or conn.uid in t.uids or conn.gid in t.gids
+
+    def _check_member(self, conn: Connection, tenant: str) -> None:
+        if tenant in self.config.tenants and not self._member(conn, tenant) and not self.daemon.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"uid {conn.uid} may not allocate as tenant {tenant!r}")
+
+    def _check_may_free(self, conn: Connection, alloc: Allocation) -> None:
+        if self.daemon.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
+            return
+        if alloc.tenant is not None and self._member(conn, alloc.tenant):
+            return
+        raise Refused(
+            p.ErrorCode.PERMISSION_DENIED,
+            f"task {alloc.task_id!r} belongs to tenant {alloc.tenant!r} / uid {self.uids.get(alloc.task_id)}; "
+            f"freeing it needs admin rights",
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
