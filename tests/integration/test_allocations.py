@@ -1,0 +1,244 @@
+"""Allocations end to end: durability across kills, waits, reaping, tenants, the bridge to sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpud.spawn import DaemonProcess
+from gpud_client import AsyncClient, Client, PermissionDenied, ProtocolError
+from gpud_client import protocol as p
+
+from .wire import connect, expect
+
+
+def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+    )
+
+
+def test_every_acknowledged_allocation_survives_a_sigkill(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory("--simulate", "4x16GiB")
+    acknowledged = {}
+    with Client(d.socket) as c:
+        for i in range(40):
+            a = c.allocate(f"task-{i}", gpus=0.1 if i % 2 else 0.05)
+            acknowledged[a.task_id] = (a.gpus, a.share)
+        c.release_allocation("task-3")
+        del acknowledged["task-3"]
+    d.stop(sig=signal.SIGKILL)  # right after the last acknowledgement
+    d.start()
+    with Client(d.socket) as c:
+        got = {a.task_id: (a.gpus, a.share) for a in c.allocations().allocations}
+    assert got == acknowledged
+
+
+def test_a_restart_restores_allocations_and_their_accounting(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory("--simulate", "2x16GiB")
+    with Client(d.socket) as c:
+        c.allocate("whole", gpus=1, cpus=1)
+        c.allocate("frac", gpus=0.5)
+    d.stop()
+    d.start()
+    with Client(d.socket) as c:
+        reply = c.allocations()
+        assert [g.allocated for g in reply.gpus] == [1.0, 0.5]
+        assert len(reply.cpus_free) == reply.cpus_total - 1
+        with pytest.raises(ProtocolError) as err:
+            c.allocate("more", gpus=1)
+        assert err.value.code == "insufficient" and "entirely free" in err.value.message
+        assert c.allocate("whole", gpus=1).gpus == [0]  # idempotent across the restart
+
+
+def test_gpuctl_alloc_prints_exports_a_shell_can_eval(daemon: DaemonProcess) -> None:
+    script = f"""
+set -e
+eval "$({sys.executable} -m gpud.cli --socket {daemon.socket} alloc --task etl-42 --gpus 1)"
+echo "$CUDA_VISIBLE_DEVICES $GPUD_TASK_ID $GPUD_GPU_SHARE"
+{sys.executable} -m gpud.cli --socket {daemon.socket} free --task etl-42
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "0 etl-42 1"
+    assert "freed" in out.stdout
+    assert gpuctl(daemon, "allocs", "--json").returncode == 0
+
+
+def test_waiters_are_served_in_priority_order(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket) as c:
+        c.allocate("a", gpus=1)
+        c.allocate("b", gpus=1)
+        results: dict[str, p.Allocated] = {}
+
+        def wait(task: str, priority: str) -> None:
+            with Client(daemon.socket) as w:
+                results[task] = w.allocate(task, gpus=1, priority=priority, wait_ms=5000)
+
+        low = threading.Thread(target=wait, args=("low", "best-effort"))
+        low.start()
+        time.sleep(0.2)
+        high = threading.Thread(target=wait, args=("high", "production"))
+        high.start()
+        deadline = time.monotonic() + 5
+        while c.allocations().waiting != ["high", "low"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        c.release_allocation("a")
+        high.join(5)
+        assert "high" in results and "low" not in results
+        assert results["high"].priority == 100 and results["high"].waited_ms > 0
+        c.release_allocation("b")
+        low.join(5)
+        assert results["low"].priority == 10
+
+
+def test_a_wait_expires_with_a_clear_answer(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket) as c:
+        c.allocate("all", gpus=2)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError) as err:
+            c.allocate("late", gpus=1, wait_ms=300)
+        assert err.value.code == "insufficient" and "waited the full wait_ms" in err.value.message
+        assert time.monotonic() - t0 >= 0.28
+        assert c.allocations().waiting == []
+
+
+def test_allocations_of_dead_owners_are_reclaimed(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text("reap_interval_s = 0.2\n")
+    d = daemon_factory("--simulate", "1", "--config", str(cfg))
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with Client(d.socket) as c:
+            c.allocate("owned", gpus=1, owner_pid=owner.pid)
+            c.allocate("kept", gpus=0, cpus=1)
+            time.sleep(0.5)
+            assert {a.task_id for a in c.allocations().allocations} == {"owned", "kept"}
+            owner.kill()
+            owner.wait()
+            deadline = time.monotonic() + 5
+            while "owned" in {a.task_id for a in c.allocations().allocations}:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert '"allocation_reaped"' in d.log()
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_a_fractional_allocation_is_enforced_on_its_sessions(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket, name="ray-task") as c:
+        a = c.allocate("ray-task-7", gpus=0.25)
+        s = c.session(a.gpus[0])  # no task id: no limits
+        assert (s.core_limit, s.mem_limit) == (100, None)
+        bridged = c.session(a.gpus[0], framework_hooks=False)
+        bridged.close()
+        t = c.call(p.Attach(id=0, gpu=a.gpus[0], task_id="ray-task-7"))
+        assert (t.core_limit, t.mem_limit) == (25, 16 * 2**30 // 4)
+        lower = c.call(p.Attach(id=0, gpu=a.gpus[0], task_id="ray-task-7", core_limit=10, mem_limit=2**30))
+        assert (lower.core_limit, lower.mem_limit) == (10, 2**30)  # it asked for less
+    with Client(daemon.socket, name="labelled", labels={"task_id": "ray-task-7"}) as c2:
+        s2 = c2.session(0, framework_hooks=False)
+        assert s2.core_limit == 25
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gpus", "0"], "0 GPUs and 0 CPU cores"),
+        (["--gpus=-1"], "positive"),
+        (["--gpus", "1.5"], "1.5 GPUs"),
+        (["--gpus", "3"], "this node has 2"),
+        (["--gpus", "1", "--cpus", "100000"], "CPU cores asked"),
+        (["--gpus", "1", "--prefer", "5"], "unknown GPU 5"),
+        (["--gpus", "1", "--tenant", "acme"], "unknown tenant 'acme'"),
+        (["--gpus", "0.00001"], "finer than 1/10000"),
+    ],
+)
+def test_bad_allocations_are_refused_and_change_nothing(daemon: DaemonProcess, args: list[str], needle: str) -> None:
+    with Client(daemon.socket) as c:
+        c.allocate("keep", gpus=0.5)
+        before = c.allocations()
+    out = gpuctl(daemon, "alloc", "--task", "bad", *args)
+    assert out.returncode != 0 and needle in out.stderr, out.stderr
+    assert out.stdout == ""  # nothing for eval to run
+    with Client(daemon.socket) as c:
+        after = c.allocations()
+    assert msgspec.structs.replace(after, id=0) == msgspec.structs.replace(before, id=0)
+
+
+def test_unknown_strategy_is_refused_on_the_wire(daemon: DaemonProcess) -> None:
+    conn = connect(daemon)
+    conn.send_raw(p.frame(msgspec.msgpack.encode({"type": "ALLOCATE", "id": 3, "task_id": "x", "strategy": "worst"})))
+    err = expect(conn, p.Error)
+    assert err.code == "invalid" and "$.strategy" in err.message
+
+
+def test_tenants_quota_and_freeing_another_tenants_task(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client under another uid")
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text("[tenants.vision]\ngpus = 1\nborrow = 0\nuids = [0]\n[tenants.speech]\ngpus = 1\nuids = [65534]\n")
+    d = daemon_factory("--simulate", "2", "--config", str(cfg))
+    os.chmod(d.workdir, 0o755)
+    os.chmod(d.socket, 0o666)
+    with Client(d.socket) as c:
+        c.allocate("v1", gpus=1, tenant="vision")
+        with pytest.raises(ProtocolError, match="tenant 'vision' uses 1 of its 1 GPUs"):
+            c.allocate("v2", gpus=1, tenant="vision")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            with Client(d.socket) as nobody:
+                answers = []
+                try:
+                    nobody.release_allocation("v1")
+                    answers.append("freed")
+                except PermissionDenied as exc:
+                    answers.append(str(exc.code))
+                try:
+                    nobody.allocate("x", gpus=1, tenant="vision")
+                    answers.append("allocated")
+                except PermissionDenied as exc:
+                    answers.append(str(exc.code))
+                nobody.allocate("s1", gpus=1, tenant="speech")
+                nobody.release_allocation("s1")  # its own
+                answers.append("own-ok")
+            os.write(w, ",".join(answers).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert os.read(r, 200).decode() == "permission_denied,permission_denied,own-ok"
+    with Client(d.socket) as c:
+        assert [a.task_id for a in c.allocations().allocations] == ["v1"]
+
+
+def test_the_asyncio_client_allocates_too(daemon: DaemonProcess) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(daemon.socket) as c:
+            a = await c.allocate("async-task", gpus=0.5, cpus=1, strategy="best_fit")
+            assert a.share == 0.5 and len(a.cpus) == 1
+            assert [x.task_id for x in (await c.allocations()).allocations] == ["async-task"]
+            await c.release_allocation("async-task")
+            assert (await c.allocations()).allocations == []
+
+    asyncio.run(main())
