@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import os
 import signal
 import sys
@@ -16,7 +17,8 @@ from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_m
 from gpud.devices import discover
 from gpud.logging import configure_logging
 from gpud.metrics import Metrics
-from gpud.server import Daemon, open_listener, serve
+from gpud import systemd
+from gpud.server import Daemon, now_us, open_listener, serve
 
 log = structlog.get_logger("gpud")
 
@@ -42,7 +44,8 @@ _OPTIONS: list[tuple[str, str, type, str, str]] = [
 ]
 
 
-def parse_args(argv: list[str] | None) -> Config:
+def parse_args(argv: list[str] | None) -> tuple[Config, Callable[[], Config]]:
+    """The configuration, and how to read it again on SIGHUP (same file and flags)."""
     ap = argparse.ArgumentParser(prog="gpud", description="Share this node's GPUs among processes.")
     ap.add_argument("--config", metavar="PATH", help=f"TOML configuration (default: {DEFAULT_CONFIG_PATH} if present)")
     for flag, key, kind, metavar, text in _OPTIONS:
@@ -50,7 +53,8 @@ def parse_args(argv: list[str] | None) -> Config:
     ap.add_argument("--version", action="version", version=f"gpud {__version__}")
     args = ap.parse_args(argv)
     values = {key: getattr(args, key) for _, key, *_ in _OPTIONS if getattr(args, key) is not None}
-    try:
+
+    def load() -> Config:
         file_values = read_file(args.config)
         env_values = read_environment(os.environ)
         try:
@@ -58,6 +62,9 @@ def parse_args(argv: list[str] | None) -> Config:
         except ConfigError as exc:
             flag = next((f for f, key, *_ in _OPTIONS if f"$.{key}`" in str(exc) and key in values), None)
             raise ConfigError(f"bad value for {flag}: {str(exc).split(': ', 1)[1]}" if flag else str(exc)) from None
+
+    try:
+        return load(), load
     except ConfigError as exc:
         ap.error(str(exc))
         raise  # unreachable: ap.error exits
@@ -75,32 +82,69 @@ def start_metrics(config: Config, registry: CollectorRegistry) -> None:
     log.info("metrics_listening", addr=host, port=server.server_port)
 
 
-async def run(config: Config) -> None:
+async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     gpus = discover(config.simulate)
     registry = CollectorRegistry()
     daemon = Daemon(config, gpus, Metrics(registry))
     start_metrics(config, registry)
-    listener = await open_listener(config)
+    inherited = systemd.listen_fds()
+    listener = await open_listener(config, inherited[0] if inherited else None)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, daemon, listener)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
+            interval = systemd.watchdog_interval_s()
+            if interval:
+                nursery.start_soon(_watchdog, daemon, interval)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 async for signum in signals:
-                    log.info("shutdown", signal=signal.Signals(signum).name)
+                    if signum == signal.SIGHUP:
+                        _reload(daemon, reload_config)
+                        continue
+                    log.info("shutdown", signal=signal.Signals(signum).name, clients=len(daemon.connections))
+                    systemd.notify("STOPPING=1")
+                    daemon.farewell(f"gpud received {signal.Signals(signum).name}")
+                    await trio.sleep(0.05)  # let the writers flush the goodbyes
                     nursery.cancel_scope.cancel()
                     break
     finally:
-        try:
-            os.unlink(config.socket)
-        except FileNotFoundError:
-            pass
+        if not inherited:  # an activated socket belongs to systemd
+            try:
+                os.unlink(config.socket)
+            except FileNotFoundError:
+                pass
+
+
+def _status(daemon: Daemon) -> str:
+    sim = " simulated" if any(s.gpu.simulated for s in daemon.slots) else ""
+    return f"{len(daemon.slots)}{sim} GPU(s), {len(daemon.connections)} client(s)"
+
+
+async def _watchdog(daemon: Daemon, interval: float) -> None:
+    """Pinged from the event loop itself: a hung loop stops the pings and systemd restarts us."""
+    while True:
+        systemd.notify(f"WATCHDOG=1\nSTATUS={_status(daemon)}")
+        await trio.sleep(interval)
+
+
+def _reload(daemon: Daemon, reload_config: Callable[[], Config]) -> None:
+    systemd.notify("RELOADING=1")
+    try:
+        config = reload_config()
+    except ConfigError as exc:
+        log.error("config_reload_failed", error=str(exc))
+    else:
+        changed = daemon.reload(config, now_us())
+        configure_logging(config.log_level, config.log_format)
+        log.info("config_reloaded", changed=changed)
+    systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config, reload_config = parse_args(argv)
     configure_logging(config.log_level, config.log_format)
     try:
-        trio.run(run, config)
+        trio.run(run, config, reload_config)
     except ValueError as exc:  # a bad --simulate spec and the like
         print(f"gpud: {exc}", file=sys.stderr)
         return 2

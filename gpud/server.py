@@ -293,6 +293,28 @@ class Daemon:
                 return clients_reply(self, msg.id, now)
         raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
 
+    def farewell(self, reason: str) -> None:
+        """Tell every client we are going; the store is already up to date."""
+        for conn in list(self.connections.values()):
+            if conn.greeted:
+                self.send(conn, p.Goodbye(reason=reason))
+        self.allocator.store.close()
+
+    def reload(self, config: Config, now: int) -> list[str]:
+        """Apply what can change live; the names of the keys that changed."""
+        old, self.config = self.config, config
+        changed = [k for k in config.__struct_fields__ if getattr(old, k) != getattr(config, k)]
+        for slot in self.slots:
+            new = scheduler_config(config, slot.gpu)
+            sched = slot.scheduler
+            if new.tq_us != sched.config.tq_us:
+                self.carry_out(slot, sched.set_tq(new.tq_us, now))
+            if new.mode != sched.config.mode:
+                self.carry_out(slot, sched.set_mode(new.mode, now))
+            self.carry_out(slot, sched.reconfigure(new, now))
+        self.arbiter.policies = config.lease_policies()
+        return changed
+
     def settle_all(self, now: int) -> None:
         """Bring every account up to ``now`` before reporting figures."""
         for slot in self.slots:
@@ -515,7 +537,10 @@ def _claim_socket_path(path: str) -> None:
         probe.close()
 
 
-async def open_listener(config: Config) -> trio.SocketListener:
+async def open_listener(config: Config, inherited: socket.socket | None = None) -> trio.SocketListener:
+    """The socket systemd passed us, or our own at ``config.socket``."""
+    if inherited is not None:
+        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited))
     path = config.socket
     _claim_socket_path(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -844,6 +844,8 @@ class AsyncClient:
                 s = self._sessions.get(sid)
                 if s is not None:
                     s.mem_error = MemoryLimitExceeded(sid, used, limit)
+            case p.Goodbye(reason=reason):
+                log.info("gpud is shutting down (%s); reconnecting when it is back", reason)
             case p.SchedState(gpu=gpu, on=on):
                 self.scheduler_on[gpu] = on
             case p.Error(id=rid) if rid is not None and rid in self._lock_requests:

@@ -645,6 +645,8 @@ class Client:
                 case p.LeaseRevoked(lease_id=lease_id, reason=reason):
                     log.warning("gpud released lease %s by force (%s)", lease_id, reason)
                     self.revoked_leases.add(lease_id)
+                case p.Goodbye(reason=reason):
+                    log.info("gpud is shutting down (%s); reconnecting when it is back", reason)
                 case p.SchedState(gpu=gpu, on=on):
                     self.scheduler_on[gpu] = on
                 case p.Error(id=rid) if rid is not None and rid in self._lock_requests:

@@ -540,6 +540,13 @@ class Revoked(_Msg, tag="REVOKED", frozen=True):
     reason: RevokeReason
 
 
+class Goodbye(_Msg, tag="GOODBYE", frozen=True):
+    """Push: the daemon is shutting down; the connection closes next.
+    Clients reconnect when it is back (their locks and leases are gone)."""
+
+    reason: str
+
+
 class SchedState(_Msg, tag="SCHED_STATE", frozen=True):
     gpu: int
     on: bool
@@ -649,6 +656,7 @@ DaemonMessage = Union[
     LockOk,
     DropLock,
     Revoked,
+    Goodbye,
     SchedState,
     StatusReply,
     ClientsReply,

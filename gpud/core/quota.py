@@ -97,15 +97,10 @@ class ComputeAccounts:
             a.throttled = True
             a.throttles += 1
 
-    def set_window(self, window_us: int, now: int) -> None:
+    def reconfigure(self, config: QuotaConfig, now: int) -> None:
+        """New knobs from here on; the current window keeps its start and its use."""
         self.settle(now)
-        self.cfg = QuotaConfig(
-            window_us=window_us,
-            carryover_percent=self.cfg.carryover_percent,
-            drop_tail_billing_percent=self.cfg.drop_tail_billing_percent,
-            sample_interval_us=self.cfg.sample_interval_us,
-            share_windows=self.cfg.share_windows,
-        )
+        self.cfg = config
 
     # --- billing ------------------------------------------------------------
 

@@ -273,6 +273,12 @@ class GpuScheduler:
         self._cfg = replace(self._cfg, tq_us=tq_us)
         return self._settle(now)
 
+    def reconfigure(self, config: SchedulerConfig, now: int) -> list[Effect]:
+        """A reloaded configuration; accounts keep their use, holders keep the lock."""
+        self._acc.reconfigure(config.quota, now)
+        self._cfg = replace(config, memory_total_bytes=self._cfg.memory_total_bytes)
+        return self._settle(now)
+
     def set_mode(self, mode: Mode, now: int) -> list[Effect]:
         self._cfg = replace(self._cfg, mode=Mode(mode))
         return self._settle(now)

@@ -1,0 +1,199 @@
+"""systemd: the units pass verify and the security score, sd_notify, watchdog,
+socket activation, SIGHUP reload and SIGTERM shutdown, against a real daemon."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from gpud_client import Client
+from gpud_client import protocol as p
+from gpud_client.connection import Connection
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUD = shutil.which("gpud", path=os.path.dirname(sys.executable)) or "gpud"
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+
+
+def units(tmp: Path) -> Path:
+    """The shipped units, with ExecStart= pointing at this checkout's gpud."""
+    for name in ("gpud.service", "gpud.socket"):
+        text = (ROOT / "systemd" / name).read_text().replace("/usr/local/bin/gpud", GPUD)
+        (tmp / name).write_text(text)
+    return tmp
+
+
+@needs_analyze
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    d = units(tmp_path)
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(d / "gpud.service"), str(d / "gpud.socket")],
+        capture_output=True, text=True, timeout=60,
+    )
+    problems = [line for line in (out.stdout + out.stderr).splitlines() if "gpud" in line]
+    assert out.returncode == 0 and not problems, out.stdout + out.stderr
+
+
+@needs_analyze
+def test_the_service_rates_at_most_2_0_exposure(tmp_path: Path) -> None:
+    d = units(tmp_path)
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(d / "gpud.service")],
+        capture_output=True, text=True, timeout=60,
+    )
+    m = re.search(r"Overall exposure level for gpud.service: ([0-9.]+)", out.stdout)
+    assert m, out.stdout + out.stderr
+    assert float(m.group(1)) <= 2.0
+
+
+def test_the_units_keep_the_gpu_devices_reachable() -> None:
+    text = (ROOT / "systemd" / "gpud.service").read_text()
+    for needed in ("Type=notify", "WatchdogSec=", "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/nvidiactl rw",
+                   "RuntimeDirectory=gpud", "StateDirectory=gpud", "ExecReload="):
+        assert needed in text, needed
+    sock = (ROOT / "systemd" / "gpud.socket").read_text()
+    assert "SocketMode=0660" in sock and "SocketGroup=gpud" in sock
+    assert "g gpud " in (ROOT / "systemd" / "gpud.sysusers.conf").read_text()
+
+
+class NotifyListener:
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(10)
+        self.messages: list[str] = []
+
+    def wait_for(self, needle: str) -> str:
+        while True:
+            msg = self.sock.recv(4096).decode()
+            self.messages.append(msg)
+            if needle in msg:
+                return msg
+
+
+def test_ready_status_watchdog_and_stopping(tmp_path: Path) -> None:
+    work = tempfile.mkdtemp(prefix="gpud-sd-", dir="/tmp")
+    sock = os.path.join(work, "gpud.sock")
+    notify = NotifyListener(os.path.join(work, "notify"))
+    env = {**os.environ, "NOTIFY_SOCKET": os.path.join(work, "notify"), "WATCHDOG_USEC": "200000"}
+    proc = subprocess.Popen(
+        [GPUD, "--socket", sock, "--simulate", "2", "--metrics-addr", "off", "--state-dir", work + "/state"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        ready = notify.wait_for("READY=1")
+        assert "STATUS=2 simulated GPU(s), 0 client(s)" in ready
+        Connection(sock).close()  # READY came only once the socket accepts
+        pings = time.monotonic()
+        notify.wait_for("WATCHDOG=1")
+        notify.wait_for("WATCHDOG=1")
+        assert time.monotonic() - pings < 1.0  # every WatchdogSec/2 = 0.1 s
+        with Client(sock, name="bye") as c:
+            c.session(0)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            notify.wait_for("STOPPING=1")
+            assert proc.wait(5) == 0
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_socket_activation_serves_a_client() -> None:
+    work = tempfile.mkdtemp(prefix="gpud-sa-", dir="/tmp")
+    path = os.path.join(work, "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    # What systemd does: the listening socket as fd 3, LISTEN_PID = the daemon's pid.
+    launcher = (
+        "import os, sys\n"
+        f"os.dup2({listener.fileno()}, 3)\n"
+        "os.environ['LISTEN_PID'] = str(os.getpid()); os.environ['LISTEN_FDS'] = '1'\n"
+        "os.execv(sys.argv[1], sys.argv[1:])\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, GPUD, "--socket", os.path.join(work, "unused.sock"), "--simulate", "1",
+         "--metrics-addr", "off", "--state-dir", work + "/state"],
+        pass_fds=(listener.fileno(),), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    listener.close()
+    try:
+        with Client(path, name="activated") as c:  # connects even before the daemon accepts
+            s = c.session(0)
+            with s.slice():
+                assert s.holding
+            assert c.status().gpus[0].holders[0].name == "activated"
+        assert not os.path.exists(os.path.join(work, "unused.sock"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+        assert os.path.exists(path), "an activated socket belongs to systemd: it is not removed"
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_sighup_reloads_without_dropping_a_client(tmp_path: Path) -> None:
+    from gpud.spawn import DaemonProcess
+
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text('tq_s = 30.0\nlog_level = "info"\n')
+    d = DaemonProcess("--simulate", "1", "--config", str(cfg)).start()
+    try:
+        with Client(d.socket, name="stays") as c:
+            s = c.session(0)
+            with s.slice():
+                pass
+            cfg.write_text(
+                'tq_s = 7.5\nmode = "serial"\nlog_level = "debug"\n'
+                '[policies.ASR]\npriority = 99\nbusy_policy = "WAIT"\nmax_wait_ms = 100\n'
+            )
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while '"config_reloaded"' not in d.log():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            st = c.status().gpus[0]
+            assert (st.tq_s, st.mode) == (7.5, "serial")
+            assert c.policies()["ASR"].priority == 99
+            assert s.holding and c.reconnects == 0  # nobody was dropped
+            cfg.write_text("tq_s = -1\n")
+            d.proc.send_signal(signal.SIGHUP)
+            while '"config_reload_failed"' not in d.log():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert c.status().gpus[0].tq_s == 7.5  # a bad file changes nothing
+    finally:
+        d.cleanup()
+
+
+def test_sigterm_tells_clients_and_exits_0_within_2s() -> None:
+    from gpud.spawn import DaemonProcess
+
+    d = DaemonProcess("--simulate", "1").start()
+    try:
+        conn = Connection(d.socket)
+        conn.hello("listener")
+        assert d.proc is not None
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        bye = conn.recv(5)
+        assert isinstance(bye, p.Goodbye) and "SIGTERM" in bye.reason
+        assert d.proc.wait(5) == 0 and time.monotonic() - t0 < 2.0
+        assert not os.path.exists(d.socket)
+    finally:
+        d.cleanup()
