@@ -19,6 +19,7 @@ never limp on with a scheduler in an unknown state.
 
 from __future__ import annotations
 
+import grp
 import itertools
 import os
 import socket
@@ -91,6 +92,7 @@ class Daemon:
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
         self.daemon_uid = os.getuid()
+        self.admin_gid = admin_gid(config.admin_group)
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
         self.allocator = Allocator(self, config, sorted(os.sched_getaffinity(0)))
         self.allocator_wake = trio.Event()
@@ -166,7 +168,11 @@ class Daemon:
             slot.wake.set()
 
     def is_admin(self, conn: Connection) -> bool:
-        return conn.uid == 0 or conn.uid == self.daemon_uid
+        """uid 0, the daemon's own uid, or a member of ``admin_group``."""
+        if conn.uid == 0 or conn.uid == self.daemon_uid:
+            return True
+        gid = self.admin_gid
+        return gid is not None and (conn.gid == gid or gid in peer_groups(conn.pid))
 
     # --- connection lifetime --------------------------------------------------
 
@@ -364,7 +370,7 @@ class Daemon:
         if target is not conn and not self.is_admin(conn):
             raise Refused(
                 p.ErrorCode.PERMISSION_DENIED,
-                f"changing another client's limits needs uid 0 or the daemon's uid (peer uid {conn.uid})",
+                f"changing another client's limits needs uid 0, the daemon's uid or the admin group (peer uid {conn.uid})",
             )
         gpu = None if msg.gpu is None else self.gpu_index(msg.gpu)
         chosen = [
@@ -421,7 +427,7 @@ class Daemon:
         if not self.is_admin(conn):
             raise Refused(
                 p.ErrorCode.PERMISSION_DENIED,
-                f"{msg.__struct_config__.tag} needs uid 0 or the daemon's uid (peer uid {conn.uid})",
+                f"{msg.__struct_config__.tag} needs uid 0, the daemon's uid or the admin group (peer uid {conn.uid})",
             )
 
 
@@ -444,6 +450,28 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
 
 
 # --- I/O ----------------------------------------------------------------------
+
+
+def admin_gid(name: str) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        log.info("admin_group_missing", group=name)
+        return None
+
+
+def peer_groups(pid: int) -> set[int]:
+    """The peer's supplementary groups, read from /proc when it is needed."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
 
 
 def peer_credentials(sock: Any) -> tuple[int, int, int]:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
@@ -195,3 +196,33 @@ def test_non_admin_cannot_change_tq_or_the_scheduler(daemon: DaemonProcess) -> N
     admin = connect(daemon, "root")
     st = gpu_status(admin)
     assert st.tq_s == 30.0 and st.scheduler_on
+
+
+def test_members_of_the_admin_group_may_change_the_tq(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        import pytest
+
+        pytest.skip("needs root to run a client under another uid")
+    import grp
+
+    group = grp.getgrgid(65534).gr_name  # nogroup: nobody's primary group
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text(f'admin_group = "{group}"\n')
+    d = daemon_factory("--simulate", "1", "--config", str(cfg))
+    os.chmod(d.workdir, 0o755)
+    os.chmod(d.socket, 0o666)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            conn = connect(d, "operator")
+            conn.call(p.SetTq(id=conn.next_id(), seconds=3.0))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert gpu_status(connect(d)).tq_s == 3.0
