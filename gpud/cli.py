@@ -58,7 +58,7 @@ def render_status(reply: p.StatusReply) -> str:
             [
                 str(g.index),
                 g.name + (" (sim)" if g.simulated and "Simulated" not in g.name else ""),
-                g.mode if g.scheduler_on else "off",
+                (g.mode if g.scheduler_on else "off") + ("" if g.healthy else " UNHEALTHY"),
                 f"{g.tq_s:g}s",
                 f"{format_bytes(g.memory_in_use_bytes)}/{format_bytes(g.memory_capacity_bytes)}",
                 holder or "-",

@@ -71,6 +71,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     reap_interval_s: Annotated[float, Meta(ge=0, le=3600)] = 5.0  # 0: never reclaim dead owners' allocations
     tenants: dict[str, TenantConfig] = {}
     # Operations
+    monitor_interval_s: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0  # NVML samples and gauges
     admin_group: str = "gpud-admin"  # members may change limits, modes, policies; "" for none
     metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 2**20)] = MAX_FRAME_BYTES

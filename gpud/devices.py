@@ -99,3 +99,49 @@ def discover(simulate: str | None = None, *, nvml: Any = None) -> list[Gpu]:
     gpus = simulated_gpus(DEFAULT_SIMULATION)
     log.warning("gpus_simulated_fallback", reason=reason, count=len(gpus), spec=DEFAULT_SIMULATION)
     return gpus
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One GPU at one moment, as NVML saw it."""
+
+    index: int
+    healthy: bool
+    memory_used_bytes: int = 0
+    utilization_ratio: float = 0.0
+    process_memory: dict[int, int] | None = None  # pid -> bytes
+    error: str | None = None
+
+
+class NvmlSampler:
+    """Reads utilisation, memory and per-process memory of real GPUs.
+
+    Blocking (NVML calls can stall on a sick GPU): the daemon runs ``sample``
+    in a worker thread, never on its event loop. A GPU whose calls fail is
+    reported unhealthy; the others are read as usual."""
+
+    def __init__(self, nvml: Any, gpus: list[Gpu]) -> None:
+        self.nvml = nvml
+        self.gpus = [g for g in gpus if not g.simulated]
+
+    def sample(self) -> list[Reading]:
+        out = []
+        for g in self.gpus:
+            try:
+                h = self.nvml.nvmlDeviceGetHandleByIndex(g.index)
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
+                util = self.nvml.nvmlDeviceGetUtilizationRates(h)
+                procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
+                per_pid = {int(pr.pid): int(pr.usedGpuMemory or 0) for pr in procs}
+                out.append(Reading(g.index, True, int(mem.used), float(util.gpu) / 100, per_pid))
+            except Exception as exc:  # NVMLError_GpuIsLost and friends
+                out.append(Reading(g.index, False, error=str(exc) or type(exc).__name__))
+        return out
+
+
+def sampler_for(gpus: list[Gpu], nvml: Any = None) -> NvmlSampler | None:
+    """A sampler when some GPU is real, else None (simulated GPUs need none)."""
+    if all(g.simulated for g in gpus):
+        return None
+    module = nvml if nvml is not None else _import_nvml()
+    return None if module is None else NvmlSampler(module, gpus)

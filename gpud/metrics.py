@@ -50,3 +50,46 @@ class Metrics:
             "gpud_lock_revocations_total", "Locks taken away without LOCK_RELEASED.", ["gpu", "reason"],
             registry=registry,
         )
+        self.node = NodeMetrics(registry)
+
+
+class NodeMetrics:
+    """GPU, lock, session, allocation and daemon metrics (issue: operations)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        g = ["gpu"]
+        self.gpu_info = Gauge("gpud_gpu_info", "GPUs this daemon schedules (value 1).", ["gpu", "UUID", "name"],
+                              registry=registry)
+        self.gpu_healthy = Gauge("gpud_gpu_healthy", "1 while NVML answers for the GPU.", g, registry=registry)
+        self.memory_total = Gauge("gpud_gpu_memory_total_bytes", "GPU memory.", g, registry=registry)
+        self.memory_used = Gauge("gpud_gpu_memory_used_bytes", "GPU memory in use (NVML; simulated: reported).", g,
+                                 registry=registry)
+        self.utilization = Gauge("gpud_gpu_utilization_ratio", "GPU utilisation (NVML; simulated: held or not).", g,
+                                 registry=registry)
+        self.holders = Gauge("gpud_gpu_holders", "Sessions and leases holding the GPU.", g, registry=registry)
+        self.queue = Gauge("gpud_gpu_queue_length", "Sessions and leases waiting for the GPU.", g, registry=registry)
+        self.lock_wait = Histogram("gpud_lock_wait_seconds", "LOCK_REQUEST to LOCK_OK.", g, buckets=_LATENCY_BUCKETS,
+                                   registry=registry)
+        self.lock_hold = Histogram("gpud_lock_hold_seconds", "LOCK_OK to LOCK_RELEASED.", g, buckets=_LATENCY_BUCKETS,
+                                   registry=registry)
+        self.drop_to_release = Histogram("gpud_lock_drop_to_release_seconds", "DROP_LOCK to LOCK_RELEASED.", g,
+                                         buckets=_LATENCY_BUCKETS, registry=registry)
+        s = ["gpu", "session", "client", "pid"]
+        self.session_core_limit = Gauge("gpud_session_core_limit_ratio", "Compute limit (1 = unlimited).", s,
+                                        registry=registry)
+        self.session_window_used = Gauge("gpud_session_window_used_seconds", "GPU time billed this window.", s,
+                                         registry=registry)
+        self.session_throttled = Gauge("gpud_session_throttled", "1 while throttled until the next window.", s,
+                                       registry=registry)
+        self.session_memory = Gauge("gpud_session_memory_bytes", "Reported GPU memory use.", s, registry=registry)
+        self.session_memory_limit = Gauge("gpud_session_memory_limit_bytes", "Memory limit (absent: none).", s,
+                                          registry=registry)
+        self.allocated = Gauge("gpud_gpu_allocated_ratio", "Share of the GPU held by allocations.", g,
+                               registry=registry)
+        self.allocations = Gauge("gpud_allocations", "Allocations held.", registry=registry)
+        self.allocation_requests = Counter("gpud_allocation_requests_total", "Allocation requests by result.",
+                                           ["result"], registry=registry)
+        self.clients = Gauge("gpud_clients", "Connected clients.", registry=registry)
+        self.messages = Counter("gpud_messages_total", "Messages received, by type.", ["type"], registry=registry)
+        self.protocol_errors = Counter("gpud_protocol_errors_total", "Errors answered, by code.", ["code"],
+                                       registry=registry)

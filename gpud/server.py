@@ -38,7 +38,8 @@ from gpud.config import Config
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
-from gpud.devices import Gpu
+from gpud.devices import Gpu, sampler_for
+from gpud.monitor import run_monitor
 from gpud.metrics import Metrics
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
@@ -75,6 +76,7 @@ class GpuSlot:
     scheduler: GpuScheduler
     wake: trio.Event = field(default_factory=trio.Event)
     armed_for: int | None = None  # the deadline the timer task sleeps toward
+    healthy: bool = True
 
 
 class Daemon:
@@ -83,6 +85,7 @@ class Daemon:
     def __init__(self, config: Config, gpus: list[Gpu], metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
+        self.gpus = gpus
         self.started_at = now_us()
         self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
@@ -91,6 +94,7 @@ class Daemon:
         self._client_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
+        self._message_counters: dict[type, Any] = {}
         self.daemon_uid = os.getuid()
         self.admin_gid = admin_gid(config.admin_group)
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
@@ -128,6 +132,16 @@ class Daemon:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # it is going away; its sessions are detached in its finally
 
+    def send_error(self, conn: Connection, rid: int | None, code: p.ErrorCode, message: str) -> None:
+        self.metrics.node.protocol_errors.labels(str(code)).inc()
+        self.send(conn, p.Error(id=rid, code=code, message=message))
+
+    def count_message(self, kind: type) -> None:
+        child = self._message_counters.get(kind)
+        if child is None:
+            child = self._message_counters[kind] = self.metrics.node.messages.labels(kind.__struct_config__.tag)  # type: ignore[attr-defined]
+        child.inc()
+
     def gpu_index(self, ref: int | str) -> int:
         try:
             return resolve_gpu(ref, self._identities)
@@ -148,9 +162,10 @@ class Daemon:
             if owner is None:
                 continue
             match e:
-                case Grant(session=sid, grant=g):
+                case Grant(session=sid, grant=g, waited_us=waited):
                     log.debug("lock_granted", gpu=gpu, session=sid, grant=g, client=owner.client_id)
                     self.metrics.lock_grants.labels(gpu).inc()
+                    self.metrics.node.lock_wait.labels(gpu).observe(waited / 1e6)
                     self.send(owner, p.LockOk(session=sid, grant=g))
                 case Drop(session=sid, grant=g, reason=r):
                     log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
@@ -182,12 +197,14 @@ class Daemon:
         pid, uid, gid = creds
         conn = Connection(next(self._client_ids), pid, uid, gid, fd, outbox, cancel, now_us())
         self.connections[conn.client_id] = conn
+        self.metrics.node.clients.set(len(self.connections))
         return conn
 
     def close(self, conn: Connection) -> None:
         """Everything the connection held or queued is freed at once."""
         conn.closing = True
         self.connections.pop(conn.client_id, None)
+        self.metrics.node.clients.set(len(self.connections))
         now = now_us()
         for sid, gpu in list(conn.sessions.items()):
             slot = self.slots[gpu]
@@ -217,6 +234,7 @@ class Daemon:
                 return None
             case p.LockReleased(session=sid, grant=g):
                 self.lock_op(conn, sid, lambda s: s.release(sid, now, grant=g))
+                self.observe_release(conn, sid)
                 return None
             case p.MemUpdate(session=sid, used_bytes=used):
                 self.lock_op(conn, sid, lambda s: s.report_memory(sid, used, now))
@@ -413,6 +431,13 @@ class Daemon:
         ]
         return p.Welcome(id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus)
 
+    def observe_release(self, conn: Connection, sid: int) -> None:
+        gpu = conn.sessions[sid]
+        v = self.slots[gpu].scheduler.session(sid, 0)
+        self.metrics.node.lock_hold.labels(gpu).observe(v.last_hold_us / 1e6)
+        if v.last_drop_to_release_us is not None:
+            self.metrics.node.drop_to_release.labels(gpu).observe(v.last_drop_to_release_us / 1e6)
+
     def owned(self, conn: Connection, sid: int) -> GpuSlot:
         gpu = conn.sessions.get(sid)
         if gpu is None:
@@ -518,6 +543,7 @@ async def _write_loop(conn: Connection, stream: trio.SocketStream, recv: trio.Me
 async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
     codec = p.daemon_codec()
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
+    counted = daemon.count_message
     while True:
         data = await stream.receive_some(65536)
         if not data:
@@ -525,7 +551,7 @@ async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream
         try:
             payloads = frames.feed(data)
         except p.FrameTooLarge as exc:
-            daemon.send(conn, p.Error(id=None, code=p.ErrorCode.FRAME_TOO_LARGE, message=str(exc)))
+            daemon.send_error(conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
             log.info("protocol_error", client=conn.client_id, code="frame_too_large", length=exc.length)
             return
         for payload in payloads:
@@ -533,15 +559,16 @@ async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream
                 msg = codec.decode(payload)
             except msgspec.MsgspecError as exc:
                 rid, code, message = p.describe_bad_message(payload, exc)
-                daemon.send(conn, p.Error(id=rid, code=code, message=message))
+                daemon.send_error(conn, rid, code, message)
                 log.info("protocol_error", client=conn.client_id, code=str(code), detail=message)
                 if code == p.ErrorCode.BAD_FRAME:
                     return
                 continue
+            counted(type(msg))
             try:
                 answer = daemon.handle(conn, msg)
             except Refused as exc:
-                daemon.send(conn, p.Error(id=msg.id, code=exc.code, message=exc.message))
+                daemon.send_error(conn, msg.id, exc.code, exc.message)
                 if exc.code == p.ErrorCode.VERSION:
                     return
                 continue
@@ -619,6 +646,7 @@ async def serve(
         for slot in daemon.slots:
             nursery.start_soon(run_timer, daemon, slot)
         nursery.start_soon(run_allocator_timer, daemon)
+        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus), daemon.config.monitor_interval_s)
 
         async def handler(stream: trio.SocketStream) -> None:
             await serve_connection(daemon, stream)

@@ -64,6 +64,7 @@ def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
                 window_s=view.window_us / 1e6,
                 memory_capacity_bytes=view.memory_capacity_bytes,
                 memory_in_use_bytes=view.memory_in_use_bytes,
+                healthy=slot.healthy,
                 holders=holders,
                 queue=queue,
                 clients=len(clients),

@@ -585,6 +585,7 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     window_s: float
     memory_capacity_bytes: int  # total less the reserve
     memory_in_use_bytes: int  # what the holders need, as admission counts it
+    healthy: bool = True  # False while NVML fails for this GPU
     holders: list[HolderInfo]
     queue: list[WaiterInfo]
     clients: int

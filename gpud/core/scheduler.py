@@ -65,6 +65,7 @@ __all__ = [
 class Grant:
     session: int
     grant: int
+    waited_us: int = field(default=0, compare=False)  # for metrics; not part of the decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,8 @@ class _Session:
     drops: Counter[str] = field(default_factory=Counter)
     revocations: int = 0
     mem_violations: int = 0
+    last_hold_us: int = 0
+    last_drop_to_release_us: int | None = None
 
 
 class GpuScheduler:
@@ -363,6 +366,8 @@ class GpuScheduler:
             mem_used=s.mem_used,
             mem_limit=s.mem_limit,
             mem_violations=s.mem_violations,
+            last_hold_us=s.last_hold_us,
+            last_drop_to_release_us=s.last_drop_to_release_us,
         )
 
     def view(self, now: int) -> SchedulerView:
@@ -417,6 +422,8 @@ class GpuScheduler:
         del self._running[s.id]
         self._acc.stop(s.id, now)
         s.hold_us += now - s.granted_at
+        s.last_hold_us = now - s.granted_at
+        s.last_drop_to_release_us = None if s.drop_reason is None else now - s.drop_sent_at
         s.state = "idle"
         s.drop_reason = None
 
@@ -534,7 +541,7 @@ class GpuScheduler:
             self._grants += 1
             self._running[s.id] = s
             self._acc.start(s.id, now)
-            effects.append(Grant(s.id, s.grant))
+            effects.append(Grant(s.id, s.grant, now - s.requested_at))
 
     def _next_admissible(self) -> _Session | None:
         if not self._enabled:

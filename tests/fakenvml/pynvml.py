@@ -1,0 +1,63 @@
+"""A stand-in for nvidia-ml-py's pynvml, for tests only.
+
+The GPUs are described by the JSON file named in $FAKE_NVML_STATE, read on
+every call, so a test can change memory, utilisation, per-process memory, or
+make a GPU "lost" while the daemon runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from typing import Any
+
+
+class NVMLError(Exception):
+    pass
+
+
+def _state() -> dict[str, Any]:
+    with open(os.environ["FAKE_NVML_STATE"]) as f:
+        return json.load(f)
+
+
+def _gpu(handle: int) -> dict[str, Any]:
+    gpu = _state()["gpus"][handle]
+    if gpu.get("lost"):
+        raise NVMLError("GPU is lost")
+    return gpu
+
+
+def nvmlInit() -> None:
+    if _state().get("no_driver"):
+        raise NVMLError("Driver Not Loaded")
+
+
+def nvmlDeviceGetCount() -> int:
+    return len(_state()["gpus"])
+
+
+def nvmlDeviceGetHandleByIndex(i: int) -> int:
+    return i
+
+
+def nvmlDeviceGetName(h: int) -> str:
+    return _gpu(h)["name"]
+
+
+def nvmlDeviceGetUUID(h: int) -> str:
+    return _gpu(h)["uuid"]
+
+
+def nvmlDeviceGetMemoryInfo(h: int) -> SimpleNamespace:
+    g = _gpu(h)
+    return SimpleNamespace(total=g["total"], used=g.get("used", 0), free=g["total"] - g.get("used", 0))
+
+
+def nvmlDeviceGetUtilizationRates(h: int) -> SimpleNamespace:
+    return SimpleNamespace(gpu=_gpu(h).get("util", 0), memory=0)
+
+
+def nvmlDeviceGetComputeRunningProcesses(h: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(pid=int(pid), usedGpuMemory=used) for pid, used in _gpu(h).get("procs", {}).items()]

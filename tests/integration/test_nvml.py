@@ -1,0 +1,145 @@
+"""A daemon on "real" GPUs through a stand-in NVML module: discovery, sampling,
+per-process memory as the daemon's own check, unhealthy GPUs, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpud.spawn import DaemonProcess
+from gpud_client import Client, MemoryLimitExceeded
+
+FAKE = str(Path(__file__).resolve().parent.parent / "fakenvml")
+GIB = 2**30
+
+
+@pytest.fixture
+def nvml_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Callable[[dict[str, object]], None]]]:
+    state = tmp_path / "nvml.json"
+    gpus = [
+        {"name": "NVIDIA A100-SXM4-40GB", "uuid": "GPU-aaaa", "total": 40 * GIB, "used": GIB, "util": 35},
+        {"name": "NVIDIA L4", "uuid": "GPU-bbbb", "total": 24 * GIB, "used": 0, "util": 0},
+    ]
+    state.write_text(json.dumps({"gpus": gpus}))
+
+    def update(change: dict[str, object]) -> None:
+        data = json.loads(state.read_text())
+        for index, fields in change.items():
+            data["gpus"][int(index)].update(fields)
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, state)
+
+    old = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_NVML_STATE")}
+    os.environ["PYTHONPATH"] = FAKE + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["FAKE_NVML_STATE"] = str(state)
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text("monitor_interval_s = 0.1\n")
+    try:
+        d = DaemonProcess("--config", str(cfg), "--metrics-addr", "127.0.0.1:0").start()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        yield d, update
+    finally:
+        d.cleanup()
+
+
+def metric(d: DaemonProcess, metric_name: str, **labels: str) -> float:
+    port = re.search(r'"port": (\d+)', d.log())
+    assert port, d.log()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == metric_name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no {metric_name}{labels}")
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll until ``check`` holds (a missing metric counts as not yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_real_gpus_are_discovered_and_sampled(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
+    d, _ = nvml_daemon
+    with Client(d.socket) as c:
+        st = c.status()
+        assert [(g.name, g.uuid, g.simulated) for g in st.gpus] == [
+            ("NVIDIA A100-SXM4-40GB", "GPU-aaaa", False), ("NVIDIA L4", "GPU-bbbb", False)]
+    eventually(lambda: metric(d, "gpud_gpu_utilization_ratio", gpu="0") == 0.35)
+    assert metric(d, "gpud_gpu_memory_used_bytes", gpu="0") == GIB
+    assert metric(d, "gpud_gpu_memory_total_bytes", gpu="1") == 24 * GIB
+    assert metric(d, "gpud_gpu_info", gpu="1", UUID="GPU-bbbb", name="NVIDIA L4") == 1
+
+
+def test_per_process_memory_is_the_daemons_own_check(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
+    d, update = nvml_daemon
+    with Client(d.socket, name="greedy") as c:
+        s = c.session(0, mem_estimate="1GiB", mem_limit="4GiB", framework_hooks=False)
+        update({"0": {"procs": {str(os.getpid()): 6 * GIB}}})  # NVML sees more than the limit
+        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == 6 * GIB)
+        eventually(lambda: s.mem_error is not None)
+        with pytest.raises(MemoryLimitExceeded):
+            with s.slice():
+                pass
+        assert metric(d, "gpud_session_memory_bytes", gpu="0", client="greedy") == 6 * GIB
+
+
+def test_a_lost_gpu_is_unhealthy_not_fatal(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
+    d, update = nvml_daemon
+    update({"1": {"lost": True}})
+    with Client(d.socket) as c:
+        eventually(lambda: not c.status().gpus[1].healthy)
+        assert c.status().gpus[0].healthy
+        s = c.session(0)
+        with s.slice():
+            assert s.holding  # the other GPU is served as usual
+    assert metric(d, "gpud_gpu_healthy", gpu="1") == 0
+    assert '"gpu_unhealthy"' in d.log()
+    update({"1": {"lost": False}})
+    with Client(d.socket) as c:
+        eventually(lambda: c.status().gpus[1].healthy)
+
+
+def test_daemon_metrics_are_scraped(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
+    d, _ = nvml_daemon
+    with Client(d.socket, name="trainer") as c:
+        s = c.session(0, core_limit=40, idle_release=None)
+        with s.slice():
+            pass
+        s.release()
+        c.call(__import__("gpud_client").protocol.Attach(id=0, gpu=0, priority=5))
+        eventually(lambda: metric(d, "gpud_session_core_limit_ratio", gpu="0", client="trainer") == 0.4)
+        assert metric(d, "gpud_clients") >= 1
+        assert metric(d, "gpud_messages_total", type="LOCK_REQUEST") == 1
+        assert metric(d, "gpud_lock_grants_total", gpu="0") == 1
+        assert metric(d, "gpud_lock_wait_seconds_count", gpu="0") == 1
+        assert metric(d, "gpud_lock_hold_seconds_count", gpu="0") == 1
+        try:
+            c.session(7)
+        except Exception:
+            pass
+        assert metric(d, "gpud_protocol_errors_total", code="unknown_gpu") == 1
