@@ -275,6 +275,12 @@ def _gpu_count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of GPUs: {text!r}") from None
 
 
+def cmd_top(args: argparse.Namespace) -> None:
+    from gpud.top import run
+
+    raise SystemExit(run(args.socket, args.interval))
+
+
 def cmd_mode(args: argparse.Namespace) -> None:
     gpu = None if args.gpu is None else _gpu_ref(args.gpu)
     with _connect(args) as conn:
@@ -357,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="per GPU: mode, TQ, holder, queue, clients").set_defaults(
         func=cmd_status
     )
+    top = sub.add_parser("top", parents=[common], help="live view of GPUs, sessions and leases (q to quit)")
+    top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS")
+    top.set_defaults(func=cmd_top)
     sub.add_parser("clients", parents=[common], help="connected clients and their sessions").set_defaults(
         func=cmd_clients
     )
