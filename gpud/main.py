@@ -83,6 +83,8 @@ def start_metrics(config: Config, registry: CollectorRegistry) -> None:
 
 
 async def run(config: Config, reload_config: Callable[[], Config]) -> None:
+    log.info("starting", version=__version__, pid=os.getpid(), socket=config.socket, mode=str(config.mode),
+             state_dir=config.state_dir, metrics_addr=config.metrics_addr)
     gpus = discover(config.simulate)
     registry = CollectorRegistry()
     daemon = Daemon(config, gpus, Metrics(registry))

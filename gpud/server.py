@@ -169,6 +169,8 @@ class Daemon:
                     self.send(owner, p.LockOk(session=sid, grant=g))
                 case Drop(session=sid, grant=g, reason=r):
                     log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
+                    if r == p.DropReason.QUOTA:
+                        log.info("session_throttled", gpu=gpu, session=sid, client=owner.client_id, pid=owner.pid)
                     self.metrics.lock_drops.labels(gpu, str(r)).inc()
                     self.send(owner, p.DropLock(session=sid, grant=g, reason=r))
                 case Revoke(session=sid, grant=g, reason=r):
