@@ -18,7 +18,8 @@ from gpud.devices import discover
 from gpud.logging import configure_logging
 from gpud.metrics import Metrics
 from gpud import systemd
-from gpud.server import Daemon, now_us, open_listener, serve
+from gpud.listener import open_listener, serve
+from gpud.server import Daemon, now_us
 
 log = structlog.get_logger("gpud")
 

@@ -1,20 +1,21 @@
-"""The trio shell: listener, one task pair per connection, one timer per GPU.
+"""The daemon's state and its request handling: GPUs, schedulers, owners.
 
-It only moves bytes, reads the clock and carries out what the per-GPU
-schedulers decide. A connection has a reader task (frames in, core calls,
-replies) and a writer task draining its outbox, so a push to a slow client
-never blocks anyone else: if its outbox fills up it is disconnected.
+``Daemon.handle`` turns one decoded request into core calls and an answer;
+``carry_out`` executes the effects the per-GPU schedulers return (pushes to
+clients, metrics, logs) and re-arms the GPU's timer. It only moves bytes,
+reads the clock and carries out what the core decides; the sockets and tasks
+are in ``gpud.listener``.
 
-A message for an idle connection (nothing queued, the writer not mid-write)
-is written straight to its non-blocking socket from the task that decided it:
-a grant reaches the next holder without a trip through the scheduler to the
-writer task. Whatever the kernel does not take goes to the outbox, in order.
+Pushes go to a connection's outbox, so a push to a slow client never blocks
+anyone else: if its outbox fills up it is disconnected. A message for an idle
+connection (nothing queued, the writer not mid-write) is written straight to
+its non-blocking socket from the task that decided it: a grant reaches the
+next holder without a trip through the scheduler to the writer task.
+Whatever the kernel does not take goes to the outbox, in order.
 
-Peer errors (broken frames, schema errors, refused calls) are answered with an
-Error; a broken frame also closes the connection. Any other exception in a
-connection is logged with its traceback and closes that connection only.
-A crash in a GPU timer task takes the daemon down (systemd restarts it): we
-never limp on with a scheduler in an unknown state.
+A refused call raises ``Refused`` and is answered with an Error; a crash in a
+GPU timer takes the daemon down (systemd restarts it): it never limps on with
+a scheduler in an unknown state.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 import grp
 import itertools
 import os
-import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +37,12 @@ from gpud.config import Config
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
-from gpud.devices import Gpu, sampler_for
-from gpud.monitor import run_monitor
+from gpud.devices import Gpu
 from gpud.metrics import Metrics
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
-_PEERCRED = struct.Struct("3i")
 
 
 def now_us() -> int:
@@ -476,7 +473,6 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
     )
 
 
-# --- I/O ----------------------------------------------------------------------
 
 
 def admin_gid(name: str) -> int | None:
@@ -499,160 +495,3 @@ def peer_groups(pid: int) -> set[int]:
     except OSError:
         pass
     return set()
-
-
-def peer_credentials(sock: Any) -> tuple[int, int, int]:
-    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return pid, uid, gid
-
-
-async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
-    creds = peer_credentials(stream.socket)
-    send, recv = trio.open_memory_channel[bytes](daemon.config.outbox_messages)
-    with trio.CancelScope() as scope:
-        conn = daemon.open(creds, stream.socket.fileno(), send, scope)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_write_loop, conn, stream, recv)
-                try:
-                    await _read_loop(daemon, conn, stream)
-                finally:
-                    daemon.close(conn)
-                    send.close()  # the writer flushes what is queued, then ends
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("connection_failed", client=conn.client_id, pid=conn.pid)
-        finally:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-
-
-async def _write_loop(conn: Connection, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel[bytes]) -> None:
-    async with recv:
-        async for data in recv:
-            chunks = [data]
-            while True:  # batch whatever else is already queued into one write
-                try:
-                    chunks.append(recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            conn.writing = True
-            await stream.send_all(b"".join(chunks) if len(chunks) > 1 else data)
-            conn.writing = False
-
-
-async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
-    codec = p.daemon_codec()
-    frames = p.FrameDecoder(daemon.config.max_frame_bytes)
-    counted = daemon.count_message
-    while True:
-        data = await stream.receive_some(65536)
-        if not data:
-            return
-        try:
-            payloads = frames.feed(data)
-        except p.FrameTooLarge as exc:
-            daemon.send_error(conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
-            log.info("protocol_error", client=conn.client_id, code="frame_too_large", length=exc.length)
-            return
-        for payload in payloads:
-            try:
-                msg = codec.decode(payload)
-            except msgspec.MsgspecError as exc:
-                rid, code, message = p.describe_bad_message(payload, exc)
-                daemon.send_error(conn, rid, code, message)
-                log.info("protocol_error", client=conn.client_id, code=str(code), detail=message)
-                if code == p.ErrorCode.BAD_FRAME:
-                    return
-                continue
-            counted(type(msg))
-            try:
-                answer = daemon.handle(conn, msg)
-            except Refused as exc:
-                daemon.send_error(conn, msg.id, exc.code, exc.message)
-                if exc.code == p.ErrorCode.VERSION:
-                    return
-                continue
-            if answer is not None:
-                daemon.send(conn, answer)
-
-
-def _claim_socket_path(path: str) -> None:
-    """Create the directory; remove a stale socket, refuse a live one."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)
-    else:
-        raise RuntimeError(f"another daemon is listening on {path}")
-    finally:
-        probe.close()
-
-
-async def open_listener(config: Config, inherited: socket.socket | None = None) -> trio.SocketListener:
-    """The socket systemd passed us, or our own at ``config.socket``."""
-    if inherited is not None:
-        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited))
-    path = config.socket
-    _claim_socket_path(path)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, config.socket_mode)
-    sock.listen(512)
-    return trio.SocketListener(sock)
-
-
-async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
-    """Sleep until the scheduler's next deadline or until something changed."""
-    while True:
-        slot.wake = trio.Event()
-        deadline = slot.armed_for = slot.scheduler.next_deadline()
-        if deadline is None:
-            await slot.wake.wait()
-        else:
-            delay = (deadline - now_us()) / 1e6
-            if delay > 0:
-                with trio.move_on_after(delay):
-                    await slot.wake.wait()
-        daemon.carry_out(slot, slot.scheduler.advance(now_us()))
-
-
-async def run_allocator_timer(daemon: Daemon) -> None:
-    """Expire allocation waits on time; reclaim allocations of dead owners."""
-    interval = daemon.config.reap_interval_s
-    next_reap = now_us() + round(interval * 1e6) if interval else None
-    while True:
-        daemon.allocator_wake = trio.Event()
-        times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap) if t is not None]
-        if times:
-            with trio.move_on_after(max(0.0, (min(times) - now_us()) / 1e6)):
-                await daemon.allocator_wake.wait()
-        else:
-            await daemon.allocator_wake.wait()
-        now = now_us()
-        daemon.allocator.advance(now)
-        if next_reap is not None and now >= next_reap:
-            daemon.allocator.reap(now)
-            next_reap = now + round(interval * 1e6)
-
-
-async def serve(
-    daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    async with trio.open_nursery() as nursery:
-        for slot in daemon.slots:
-            nursery.start_soon(run_timer, daemon, slot)
-        nursery.start_soon(run_allocator_timer, daemon)
-        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus), daemon.config.monitor_interval_s)
-
-        async def handler(stream: trio.SocketStream) -> None:
-            await serve_connection(daemon, stream)
-
-        await nursery.start(trio.serve_listeners, handler, [listener])
-        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots))
-        task_status.started()

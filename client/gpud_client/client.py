@@ -18,6 +18,7 @@ choice; nothing else is silent.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -184,6 +185,10 @@ class Client:
         self.proceed_unarbitrated = proceed_unarbitrated
         self.request_timeout = request_timeout
         self._cond = threading.Condition(threading.RLock())
+        # The idle thread waits on its own condition (same lock), so the reader's
+        # and every slice's notifications do not wake it for nothing.
+        self._idle_cond = threading.Condition(self._cond._lock)  # type: ignore[attr-defined]
+        self._idle_wake_at = math.inf  # when the idle thread looks next
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._lock_requests: dict[int, Session] = {}  # LOCK_REQUEST id -> session
@@ -394,6 +399,7 @@ class Client:
             self._closed = True
             conn, self._conn = self._conn, None
             self._cond.notify_all()
+            self._idle_cond.notify_all()
         if conn is not None:
             conn.close()
         if threading.current_thread() is not self._reader:
@@ -417,6 +423,8 @@ class Client:
                 err, s.mem_error = s.mem_error, None
                 raise err
             s.in_slice = True  # claimed before waiting: a second thread cannot slip in
+            if s.state == "holding":
+                return True  # the lock is kept between slices: no round trip, no wait
         try:
             arbitrated = self._acquire(s)
         except BaseException:
@@ -444,7 +452,8 @@ class Client:
             s.last_used = time.monotonic()
             release = s.state == "holding" and s.drop_pending is not None
             if not release:
-                self._cond.notify_all()  # the idle thread re-arms
+                if s.idle_release is not None and s.last_used + s.idle_release < self._idle_wake_at:
+                    self._idle_cond.notify()  # this lock goes idle before the idle thread would look
                 return
             s.state = "releasing"
         self._give_back(s)
@@ -746,9 +755,10 @@ class Client:
                 due: list[Session] = []
                 wake: float | None = None
                 for s in self._sessions.values():
-                    if s.state != "holding" or s.in_slice or s.idle_release is None:
+                    if s.state != "holding" or s.idle_release is None:
                         continue
-                    at = s.last_used + s.idle_release
+                    # in a slice now: it cannot go idle before idle_release from now
+                    at = now + s.idle_release if s.in_slice else s.last_used + s.idle_release
                     if at <= now:
                         due.append(s)
                     else:
@@ -763,4 +773,5 @@ class Client:
                     finally:
                         self._cond.acquire()
                     continue
-                self._cond.wait(None if wake is None else wake - now)
+                self._idle_wake_at = math.inf if wake is None else wake
+                self._idle_cond.wait(None if wake is None else wake - now)

@@ -15,6 +15,9 @@ Rules kept here:
   next window's starting use; a session is throttled after the reset only if
   that carried use already reaches its budget.
 - A limit change keeps the use of the current window: it never wipes usage.
+  Use made before a budget shrank below it is not an overshoot: only what is
+  billed beyond max(budget, that use) is carried into the next window, so a
+  live limit change never turns past use into debt.
 
 Use is kept in integer nanoseconds of weighted GPU time, so billing wall time
 / k loses at most 1 ns per settlement; time is integer microseconds like the
@@ -46,7 +49,9 @@ class Account:
     tail: bool = False  # DROP_LOCK sent, LOCK_RELEASED not yet received
     throttled: bool = False
     throttles: int = 0
-    history: deque[int] = field(default_factory=deque)  # used_ns of finished windows
+    floor_ns: int = 0  # use already made when the budget shrank below it this window
+    carried_ns: int = 0  # the use this window started with
+    history: deque[int] = field(default_factory=deque)  # use made in each finished window
 
 
 class ComputeAccounts:
@@ -137,17 +142,22 @@ class ComputeAccounts:
     def _reset_window(self) -> None:
         carry = self.cfg.carryover_percent
         for sid, a in self._acc.items():
-            a.history.append(a.used_ns)
+            a.history.append(a.used_ns - a.carried_ns)  # made in this window, not carried in
             budget = self.budget_ns(sid)
+            floor, a.floor_ns = a.floor_ns, 0
             if budget is None:
-                a.used_ns = 0
+                a.used_ns = a.carried_ns = 0
                 a.throttled = False
                 continue
-            a.used_ns = max(0, a.used_ns - budget) * carry // 100
+            a.used_ns = a.carried_ns = max(0, a.used_ns - max(budget, floor)) * carry // 100
             a.throttled = a.used_ns >= budget
 
     def _resum(self) -> None:
         self._limited_sum = sum(a.limit for a in self._acc.values() if a.limit < UNLIMITED)
+        for sid, a in self._acc.items():  # budgets may have shrunk below use already made
+            budget = self.budget_ns(sid)
+            if budget is not None and a.used_ns > budget:
+                a.floor_ns = max(a.floor_ns, a.used_ns)
 
     def _rethrottle(self) -> None:
         """After budgets moved: throttle whoever is over, release whoever is not."""

@@ -320,3 +320,31 @@ def test_equal_or_lower_priority_never_preempts() -> None:
     s.attach(2, 0, priority=50)
     s.request(1, 0)
     assert s.request(2, 1) == []
+
+
+def test_a_lowered_limit_does_not_turn_past_use_into_debt() -> None:
+    s = gpu(carry=100)
+    start(s, (1, 100))
+    s.advance(300 * MS)
+    assert s.set_limits(1, 300 * MS, core_limit=20) == [Drop(1, 1, DropReason.QUOTA)]
+    s.release(1, 301 * MS)  # 1 ms of tail beyond the use made under the old limit
+    assert used_ms(s, 1, W) == pytest.approx(1)  # not 301 - 200 = 101 ms of "debt"
+    assert not s.session(1, W).throttled
+
+
+def test_oversubscription_arriving_mid_window_is_not_debt_either() -> None:
+    s = gpu(carry=100)
+    start(s, (1, 60))
+    s.advance(500 * MS)
+    s.attach(2, 500 * MS, core_limit=90, mem_estimate=GIB)  # 150 in sum: budget of 1 falls to 400 ms
+    s.release(1, 500 * MS)
+    assert used_ms(s, 1, W) == 0
+
+
+def test_recent_share_counts_each_windows_own_use_once() -> None:
+    s = gpu(carry=100, mode=Mode.SERIAL)
+    start(s, (1, 20))
+    s.advance(200 * MS)
+    s.release(1, 300 * MS)  # 100 ms over: carried into the next window
+    s.advance(2 * W)
+    assert s.session(1, 2 * W).recent_share_percent == pytest.approx((30 + 0) / 2)
