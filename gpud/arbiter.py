@@ -41,6 +41,20 @@ class LeaseRecord:
     overdue: bool = False
 
 
+class _Children:
+    """The metric children of one (gpu, task_type), looked up once."""
+
+    def __init__(self, m: Metrics, gpu: int, task_type: str) -> None:
+        labels = (str(gpu), task_type)
+        self.acquired = {st: m.acquire_total.labels(*labels, str(st)) for st in p.LeaseStatus}
+        self.queue_wait = m.queue_wait.labels(*labels)
+        self.hold = m.hold.labels(*labels)
+        self.queue_length = m.queue_length.labels(*labels)
+        self.timeouts = m.timeouts.labels(*labels)
+        self.queue_full = m.queue_full.labels(*labels)
+        self.watchdog = m.watchdog.labels(*labels)
+
+
 class Arbiter:
     def __init__(self, daemon: Daemon, metrics: Metrics, policies: dict[str, LeasePolicy]) -> None:
         self.daemon = daemon
@@ -49,6 +63,14 @@ class Arbiter:
         self.by_sid: dict[int, LeaseRecord] = {}
         self.by_id: dict[str, LeaseRecord] = {}
         self._prefix = secrets.token_hex(3)  # ids of one daemon run never repeat another's
+        self._children: dict[tuple[int, str], _Children] = {}
+
+    def _m(self, rec: LeaseRecord) -> _Children:
+        key = (rec.gpu, rec.terms.task_type)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = _Children(self.metrics, rec.gpu, rec.terms.task_type)
+        return found
 
     # --- requests -----------------------------------------------------------
 
@@ -73,7 +95,7 @@ class Arbiter:
         self.daemon.carry_out(slot, effects)
         if sid in self.by_sid and rec.granted_at is None:  # neither granted nor denied: it waits
             rec.waiting = True
-            self.metrics.queue_length.labels(rec.gpu, terms.task_type).inc()
+            self._m(rec).queue_length.inc()
 
     def release(self, conn: Connection, lease_id: str, now: int) -> None:
         rec = self.by_id.get(lease_id)
@@ -113,7 +135,7 @@ class Arbiter:
                 self._log(rec, refusal_status(rec.terms.busy_policy), reason, wait_ms, None, "denied")
             case HoldOverdue(held_us=held, forced=forced):
                 rec.overdue = True
-                self.metrics.watchdog.labels(rec.gpu, rec.terms.task_type).inc()
+                self._m(rec).watchdog.inc()
                 log.warning(
                     "lease_overdue", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
                     held_ms=held / 1000, hold_max_ms=rec.terms.hold_max_ms, forced_release=forced, pid=rec.conn.pid,
@@ -167,13 +189,13 @@ class Arbiter:
     # --- bookkeeping ----------------------------------------------------------
 
     def _answer(self, rec: LeaseRecord, status: p.LeaseStatus, reason: p.LeaseReason | None, wait_ms: float) -> None:
-        labels = (rec.gpu, rec.terms.task_type)
-        self.metrics.acquire_total.labels(*labels, str(status)).inc()
-        self.metrics.queue_wait.labels(*labels).observe(wait_ms / 1000)
+        m = self._m(rec)
+        m.acquired[status].inc()
+        m.queue_wait.observe(wait_ms / 1000)
         if reason == p.LeaseReason.TIMEOUT:
-            self.metrics.timeouts.labels(*labels).inc()
+            m.timeouts.inc()
         elif reason == p.LeaseReason.QUEUE_FULL:
-            self.metrics.queue_full.labels(*labels).inc()
+            m.queue_full.inc()
         acquired = status == p.LeaseStatus.ACQUIRED
         self.daemon.send(
             rec.conn,
@@ -193,7 +215,7 @@ class Arbiter:
                      wait_ms=(now - rec.requested_at) / 1000, ended_by=how, **_trace(rec.trace))
             return
         hold_ms = (now - rec.granted_at) / 1000
-        self.metrics.hold.labels(rec.gpu, rec.terms.task_type).observe(hold_ms / 1000)
+        self._m(rec).hold.observe(hold_ms / 1000)
         self._log(rec, p.LeaseStatus.ACQUIRED, None, (rec.granted_at - rec.requested_at) / 1000, hold_ms, how)
 
     def _forget(self, rec: LeaseRecord) -> None:
@@ -205,7 +227,7 @@ class Arbiter:
     def _leave_queue(self, rec: LeaseRecord) -> None:
         if rec.waiting:
             rec.waiting = False
-            self.metrics.queue_length.labels(rec.gpu, rec.terms.task_type).dec()
+            self._m(rec).queue_length.dec()
 
     def _log(self, rec: LeaseRecord, status: p.LeaseStatus, reason: p.LeaseReason | None, wait_ms: float,
              hold_ms: float | None, ended_by: str) -> None:

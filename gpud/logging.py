@@ -10,7 +10,16 @@ import logging
 import sys
 from typing import Literal
 
+import msgspec
 import structlog
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def _json(obj: object, **_: object) -> str:
+    """structlog's JSON serializer: msgspec, several times faster than json.dumps."""
+    return _ENCODER.encode(obj).decode()
+
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -18,7 +27,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 def configure_logging(level: str = "info", fmt: Literal["auto", "json", "console"] = "auto") -> None:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer(serializer=_json) if use_json else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[
@@ -29,6 +38,6 @@ def configure_logging(level: str = "info", fmt: Literal["auto", "json", "console
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -178,8 +178,9 @@ class Daemon:
                     log.warning("memory_limit_exceeded", gpu=gpu, session=sid, pid=owner.pid, used_bytes=used,
                                 limit_bytes=limit)
                     self.send(owner, p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit))
-        if slot.scheduler.next_deadline() != slot.armed_for:
-            slot.wake.set()
+        deadline = slot.scheduler.next_deadline()
+        if deadline is not None and (slot.armed_for is None or deadline < slot.armed_for):
+            slot.wake.set()  # only an earlier deadline needs the timer now; a later one it finds itself
 
     def is_admin(self, conn: Connection) -> bool:
         """uid 0, the daemon's own uid, or a member of ``admin_group``."""
@@ -235,6 +236,12 @@ class Daemon:
                 self.lock_op(conn, sid, lambda s: s.release(sid, now, grant=g))
                 self.observe_release(conn, sid)
                 return None
+            case p.Acquire():
+                self.arbiter.acquire(conn, msg, next(self._session_ids), now)
+                return None  # LEASE_RESULT comes from the arbiter, now or later
+            case p.Release(lease_id=lease_id, quiet=quiet):
+                self.arbiter.release(conn, lease_id, now)
+                return None if quiet else p.Ok(id=msg.id)
             case p.MemUpdate(session=sid, used_bytes=used):
                 self.lock_op(conn, sid, lambda s: s.report_memory(sid, used, now))
                 return None
@@ -274,12 +281,6 @@ class Daemon:
                 for slot in slots:
                     self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now))
                 log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
-                return p.Ok(id=msg.id)
-            case p.Acquire():
-                self.arbiter.acquire(conn, msg, next(self._session_ids), now)
-                return None  # LEASE_RESULT comes from the arbiter, now or later
-            case p.Release(lease_id=lease_id):
-                self.arbiter.release(conn, lease_id, now)
                 return p.Ok(id=msg.id)
             case p.ReportOom(gpu=ref, task_type=task):
                 gpu = self.gpu_index(ref)

@@ -405,8 +405,9 @@ class AsyncClient:
         try:
             yield result
         finally:
-            if result.acquired and result.lease_id is not None:
-                await asyncio.shield(self.release_lease(result.lease_id))
+            if result.acquired and result.lease_id is not None and self._wire is not None:
+                # not waiting for the OK: the connection keeps the order; one round trip per lease
+                self._wire.send(p.Release(id=self._wire.next_id(), lease_id=result.lease_id, quiet=True))
 
     async def acquire(
         self,

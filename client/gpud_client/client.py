@@ -294,7 +294,7 @@ class Client:
             yield result
         finally:
             if result.acquired and result.lease_id is not None:
-                self.release_lease(result.lease_id)
+                self.release_lease(result.lease_id, wait=False)
 
     def acquire(
         self,
@@ -322,9 +322,20 @@ class Client:
         result: p.LeaseResult = self.call(msg, timeout=wait)
         return result
 
-    def release_lease(self, lease_id: str) -> None:
-        """Give a lease back. Idempotent; another client's lease is refused."""
-        self.call(p.Release(id=0, lease_id=lease_id))
+    def release_lease(self, lease_id: str, *, wait: bool = True) -> None:
+        """Give a lease back. Idempotent; another client's lease is refused.
+
+        ``wait=False`` does not wait for the daemon's OK (the connection keeps
+        the order, so a later acquire is handled after it); a refusal is then
+        only logged. ``lease()`` releases this way: one round trip per lease."""
+        if wait:
+            self.call(p.Release(id=0, lease_id=lease_id))
+            return
+        with self._cond:
+            conn = self._conn
+            if conn is None:
+                return  # the lease died with the connection
+            self._send(conn, p.Release(id=conn.next_id(), lease_id=lease_id, quiet=True))
 
     def report_oom(self, gpu: int | str = "gpu:0", task_type: str = "OTHER") -> None:
         """Count an out-of-memory error this process hit on ``gpu``."""

@@ -236,10 +236,13 @@ class Acquire(_Msg, tag="ACQUIRE", frozen=True):
 
 
 class Release(_Msg, tag="RELEASE", frozen=True):
-    """Give a lease back. Idempotent: a lease already gone answers OK."""
+    """Give a lease back. Idempotent: a lease already gone answers OK.
+    ``quiet``: no OK on success (a refusal is still answered), for clients
+    that do not wait for it."""
 
     id: RequestId
     lease_id: LeaseId
+    quiet: bool = False
 
 
 class ReportOom(_Msg, tag="REPORT_OOM", frozen=True):

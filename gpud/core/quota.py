@@ -63,6 +63,7 @@ class ComputeAccounts:
         self._last = now
         self._acc: dict[int, Account] = {}
         self._limited_sum = 0
+        self._limited: set[int] = set()  # accounts with a limit below 100: the only ones with budgets
 
     # --- membership and state changes (each settles first) -------------------
 
@@ -153,8 +154,13 @@ class ComputeAccounts:
             a.throttled = a.used_ns >= budget
 
     def _resum(self) -> None:
-        self._limited_sum = sum(a.limit for a in self._acc.values() if a.limit < UNLIMITED)
-        for sid, a in self._acc.items():  # budgets may have shrunk below use already made
+        self._limited = {sid for sid, a in self._acc.items() if a.limit < UNLIMITED}
+        total = sum(self._acc[sid].limit for sid in self._limited)
+        if total == self._limited_sum:
+            return  # an unlimited account came or went: no budget moved
+        self._limited_sum = total
+        for sid in self._limited:  # budgets may have shrunk below use already made
+            a = self._acc[sid]
             budget = self.budget_ns(sid)
             if budget is not None and a.used_ns > budget:
                 a.floor_ns = max(a.floor_ns, a.used_ns)
@@ -187,14 +193,18 @@ class ComputeAccounts:
 
     def exhausted(self) -> list[int]:
         """Running sessions, not already dropped, whose budget is used up."""
-        return [sid for sid, a in self._acc.items() if a.running and not a.tail and self.over_budget(sid)]
+        acc = self._acc
+        return [sid for sid in self._limited if acc[sid].running and not acc[sid].tail and self.over_budget(sid)]
 
     def next_deadline(self) -> int | None:
         """Exact exhaustion instants, window ends that matter, and the sample cap."""
+        if not self._limited:
+            return None  # nothing has a budget: nothing to watch
         times: list[int] = []
         window_end = self.window_start + self.cfg.window_us
         k = sum(1 for a in self._acc.values() if a.running)
-        for sid, a in self._acc.items():
+        for sid in self._limited:
+            a = self._acc[sid]
             budget = self.budget_ns(sid)
             if budget is None:
                 continue

@@ -452,8 +452,8 @@ class GpuScheduler:
             self._drop_exhausted(now, effects)
             self._drop_memory_overflow(now, effects)
         self._admit(now, effects)
-        self._expire_waits(now, effects)
-        self._admit(now, effects)
+        if self._expire_waits(now, effects):
+            self._admit(now, effects)  # a waiter that left may have blocked the others
         self._drop_expired(now, effects)
         return effects
 
@@ -467,12 +467,15 @@ class GpuScheduler:
                     effects.append(Revoke(s.id, s.grant, RevokeReason.HOLD_MAX))
                     self._forget(s, now)
 
-    def _expire_waits(self, now: int, effects: list[Effect]) -> None:
+    def _expire_waits(self, now: int, effects: list[Effect]) -> bool:
+        expired = False
         for _, _, sid in list(self._queue):
             s = self._sessions[sid]
             if s.wait_deadline is not None and now >= s.wait_deadline:
                 effects.append(LeaseDenied(sid, LeaseReason.TIMEOUT))
                 self._forget(s, now)
+                expired = True
+        return expired
 
     def _forget(self, s: _Session, now: int) -> None:
         """Out of the running set or the queue, and out of the accounts."""
@@ -504,7 +507,7 @@ class GpuScheduler:
                 self._drop(s, DropReason.QUOTA, now, effects)
 
     def _drop_memory_overflow(self, now: int, effects: list[Effect]) -> None:
-        if self._cfg.mode != Mode.AUTO:
+        if self._cfg.mode != Mode.AUTO or len(self._running) < 2:
             return
         staying = [s for s in self._running.values() if s.drop_reason is None]
         overflow = sum(self._need(s) for s in staying) - self._capacity()

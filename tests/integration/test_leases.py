@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -221,9 +220,9 @@ def test_forced_release_when_configured(daemon_factory: Callable[..., DaemonProc
 
 
 def scrape(d: DaemonProcess) -> str:
-    m = re.search(r'"metrics_listening".*?"port": (\d+)', d.log()) or re.search(r'"port": (\d+).*"metrics_listening"', d.log())
-    assert m, d.log()
-    with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=5) as resp:
+    ports = [e["port"] for e in map(json.loads, d.log().splitlines()) if e.get("event") == "metrics_listening"]
+    assert ports, d.log()
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports[-1]}/metrics", timeout=5) as resp:
         return resp.read().decode()
 
 
@@ -262,7 +261,7 @@ def test_one_log_line_per_acquire_with_its_trace(daemon: DaemonProcess) -> None:
             pass
     deadline = time.monotonic() + 5
     while True:
-        lines = [json.loads(x) for x in daemon.log().splitlines() if '"event": "lease"' in x]
+        lines = [e for e in map(json.loads, daemon.log().splitlines()) if e.get("event") == "lease"]
         if lines or time.monotonic() > deadline:
             break
         time.sleep(0.02)

@@ -58,7 +58,7 @@ def nvml_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Callable[[dict[
 
 
 def metric(d: DaemonProcess, metric_name: str, **labels: str) -> float:
-    port = re.search(r'"port": (\d+)', d.log())
+    port = re.search(r'"port": ?(\d+)', d.log())
     assert port, d.log()
     with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5) as resp:
         text = resp.read().decode()
