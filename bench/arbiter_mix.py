@@ -28,9 +28,10 @@ What is measured, against real daemons (a fresh ``gpud --simulate 1x16GiB
   (the conservative figure) at most half of flock's ASR p95.
 - Lease cycles per second (acquire + release, hold zero, task type OTHER,
   queue_limit max(8, clients) so none is refused) with 1, 8
-  and 64 client processes for a fixed time: through ``Client.acquire`` +
-  ``release_lease`` (the headline ``cycles_per_s``) and the bare
-  ``Connection``; at the daemon's default log level (one info line per
+  and 64 client processes for a fixed time: through ``with client.lease()``
+  (the headline ``cycles_per_s``: one round trip, the release sent without
+  waiting for its OK) and the bare ``Connection`` (ACQUIRE and RELEASE both
+  waited for); at the daemon's default log level (one info line per
   acquire) and again at ``--log-level warning``; with the CPU time the daemon
   and the clients spent per cycle, to show where the time goes.
 
