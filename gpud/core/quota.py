@@ -185,7 +185,7 @@ class ComputeAccounts:
         return self._acc[sid]
 
     def is_limited(self, sid: int) -> bool:
-        return self._acc[sid].limit < UNLIMITED
+        return sid in self._limited
 
     def over_budget(self, sid: int) -> bool:
         budget = self.budget_ns(sid)

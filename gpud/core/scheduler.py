@@ -416,6 +416,8 @@ class GpuScheduler:
         return max(s.mem_estimate or 0, s.mem_used or 0)
 
     def _throttled(self, sid: int) -> bool:
+        if not self._acc.is_limited(sid):
+            return False  # no budget, never throttled (every lease, most sessions)
         return self._acc.account(sid).throttled or self._acc.over_budget(sid)
 
     def _end_hold(self, s: _Session, now: int) -> None:
