@@ -64,6 +64,7 @@ class Arbiter:
         self.by_id: dict[str, LeaseRecord] = {}
         self._prefix = secrets.token_hex(3)  # ids of one daemon run never repeat another's
         self._children: dict[tuple[int, str], _Children] = {}
+        self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
 
     def _m(self, rec: LeaseRecord) -> _Children:
         key = (rec.gpu, rec.terms.task_type)
@@ -76,13 +77,19 @@ class Arbiter:
 
     def acquire(self, conn: Connection, msg: p.Acquire, sid: int, now: int) -> None:
         slot = self.daemon.slots[self.daemon.gpu_index(msg.gpu)]
-        cfg = self.daemon.config
-        terms = resolve_terms(
-            msg.task_type, self.policies, priority=msg.priority, busy_policy=msg.busy_policy,
-            max_wait_ms=msg.max_wait_ms, queue_limit=msg.queue_limit, hold_max_ms=msg.hold_max_ms,
-            mem_estimate=msg.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
-            default_hold_max_ms=cfg.lease_hold_max_ms,
-        )
+        key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
+               msg.mem_estimate)
+        terms = self._terms.get(key)
+        if terms is None:  # services repeat the same request shape: resolve it once
+            cfg = self.daemon.config
+            terms = resolve_terms(
+                msg.task_type, self.policies, priority=msg.priority, busy_policy=msg.busy_policy,
+                max_wait_ms=msg.max_wait_ms, queue_limit=msg.queue_limit, hold_max_ms=msg.hold_max_ms,
+                mem_estimate=msg.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
+                default_hold_max_ms=cfg.lease_hold_max_ms,
+            )
+            if len(self._terms) < 4096:
+                self._terms[key] = terms
         rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now)
         self.by_sid[sid] = rec
         self.by_id[rec.lease_id] = rec
@@ -174,6 +181,10 @@ class Arbiter:
                                      queue_limit=t.queue_limit, hold_max_ms=t.hold_max_ms)
         return out
 
+    def set_policies(self, policies: dict[str, LeasePolicy]) -> None:
+        self.policies = policies
+        self._terms.clear()
+
     def set_policy(self, msg: p.SetPolicy) -> LeasePolicy:
         base = self.policies.get(msg.task_type) or self.policies["OTHER"]
         new = LeasePolicy(
@@ -184,6 +195,7 @@ class Arbiter:
             hold_max_ms=base.hold_max_ms if msg.hold_max_ms is None else msg.hold_max_ms,
         )
         self.policies[msg.task_type] = new
+        self._terms.clear()
         return new
 
     # --- bookkeeping ----------------------------------------------------------

@@ -336,7 +336,7 @@ class Daemon:
             if new.mode != sched.config.mode:
                 self.carry_out(slot, sched.set_mode(new.mode, now))
             self.carry_out(slot, sched.reconfigure(new, now))
-        self.arbiter.policies = config.lease_policies()
+        self.arbiter.set_policies(config.lease_policies())
         return changed
 
     def settle_all(self, now: int) -> None:

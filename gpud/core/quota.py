@@ -70,12 +70,15 @@ class ComputeAccounts:
     def add(self, sid: int, limit: int, now: int) -> None:
         self.settle(now)
         self._acc[sid] = Account(limit=limit, history=deque(maxlen=self.cfg.share_windows))
-        self._resum()
+        if limit < UNLIMITED:  # an unlimited account moves no budget
+            self._resum()
 
     def remove(self, sid: int, now: int) -> None:
         self.settle(now)
+        limited = sid in self._limited
         del self._acc[sid]
-        self._resum()
+        if limited:
+            self._resum()
 
     def set_limit(self, sid: int, limit: int, now: int) -> None:
         self.settle(now)
