@@ -50,7 +50,10 @@ TICK_S = 0.5
 STOP_GRACE_S = 0.3  # how long a worker's loop gets to notice its stop before its wait is abandoned
 OVERRUN_S = 15.0  # the parent gives up on workers this long after their end
 _UNSEEN = p.SessionInfo(
-    session=0, gpu=GPU, state="idle", priority=0, grants=0, hold_ms=0, wait_ms=0, drops={}, revocations=0
+    session=0, gpu=GPU, state="idle", priority=0, grants=0, hold_ms=0, wait_ms=0, drops={}, revocations=0,
+    core_limit=100, budget_ms=None, window_used_ms=0, window_share_percent=0, recent_share_percent=0,
+    throttled=False, throttles=0, mem_estimate_bytes=None, mem_used_bytes=None, mem_limit_bytes=None,
+    mem_violations=0,
 )
 
 

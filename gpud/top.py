@@ -64,6 +64,9 @@ def run(socket_path: str | None, interval: float, out: TextIO = sys.stdout) -> i
     try:
         if saved is not None:
             tty.setcbreak(stdin)
+            attrs = termios.tcgetattr(stdin)
+            attrs[3] &= ~termios.ISIG  # Ctrl-C arrives as a key, even where SIGINT is ignored
+            termios.tcsetattr(stdin, termios.TCSANOW, attrs)
         while True:
             status = conn.call(p.Status(id=conn.next_id()))
             clients = conn.call(p.ListClients(id=conn.next_id()))
@@ -74,7 +77,7 @@ def run(socket_path: str | None, interval: float, out: TextIO = sys.stdout) -> i
             deadline = time.monotonic() + interval
             while (left := deadline - time.monotonic()) > 0:
                 ready, _, _ = select.select([stdin], [], [], left)
-                if ready and os.read(stdin, 32).lower().startswith(b"q"):
+                if ready and os.read(stdin, 32)[:1] in (b"q", b"Q", b"\x03"):
                     return 0
     except KeyboardInterrupt:
         return 0

@@ -41,6 +41,8 @@ def test_top_draws_refreshes_and_exits(daemon: DaemonProcess, key: bytes) -> Non
             pass
         pid, fd = pty.fork()
         if pid == 0:
+            if key == b"\x03":  # as under a non-interactive shell's "&": SIGINT ignored, Ctrl-C must still work
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.execv(sys.executable, [sys.executable, "-m", "gpud.cli", "--socket", daemon.socket, "top",
                                       "--interval", "0.2"])
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
