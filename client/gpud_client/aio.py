@@ -68,9 +68,16 @@ import msgspec
 
 from gpud_client import protocol as p
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
-from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
-from gpud_client.client import _allocate_msg
-from gpud_client.units import parse_bytes
+from gpud_client._requests import (
+    acquire_msg,
+    acquire_timeout,
+    allocate_msg,
+    apply_limits,
+    attach_msg,
+    policy_msg,
+    size,
+)
+from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
 State = Literal["idle", "waiting", "holding", "releasing"]
@@ -82,9 +89,6 @@ _CONNECT_TIMEOUT_S = 5.0
 _READ_BYTES = 65536
 _MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
 
-
-def _size(value: int | str | None) -> int | None:
-    return parse_bytes(value) if isinstance(value, str) else value
 
 
 class _Wire:
@@ -252,7 +256,7 @@ class AsyncSession:
 
     async def set_limits(self, *, core_limit: int | None = None, mem_limit: int | str | None = None) -> None:
         """Change this session's own limits; the window's use is kept."""
-        await self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=_size(mem_limit)))
+        await self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=size(mem_limit)))
 
     async def close(self) -> None:
         await self.client._detach(self)
@@ -358,11 +362,11 @@ class AsyncClient:
         default probe and ``mem_limit`` also caps PyTorch's allocator."""
         s = AsyncSession(
             self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
-            core_limit=core_limit, mem_limit=_size(mem_limit), mem_estimate=_size(mem_estimate),
+            core_limit=core_limit, mem_limit=size(mem_limit), mem_estimate=size(mem_estimate),
             memory_probe=memory_probe, framework_hooks=framework_hooks,
         )
         wire = self._wire
-        reply: p.Attached = await self.call(self._attach_msg(s))
+        reply: p.Attached = await self.call(attach_msg(s))
         if self._wire is not wire:  # lost (and maybe re-attached the others) while the answer was on its way
             raise DaemonUnavailable(f"lost connection to gpud at {self.path} while attaching")
         self._bind(s, reply)
@@ -425,14 +429,11 @@ class AsyncClient:
         """Ask for a lease; fields left out come from the task type's policy.
         If the caller is cancelled while it waits, a grant that still comes is
         released at once."""
-        msg = p.Acquire(
-            id=0, gpu=gpu, task_type=task_type, priority=priority, max_wait_ms=max_wait_ms,
-            hold_max_ms=hold_max_ms, queue_limit=queue_limit,
-            busy_policy=None if busy_policy is None else p.BusyPolicy(busy_policy),
-            mem_estimate=_size(mem_estimate),
-            trace=msgspec.convert(trace, p.Trace) if isinstance(trace, dict) else (trace or p.Trace()),
+        msg = acquire_msg(
+            gpu, task_type, priority=priority, max_wait_ms=max_wait_ms, hold_max_ms=hold_max_ms,
+            queue_limit=queue_limit, busy_policy=busy_policy, mem_estimate=mem_estimate, trace=trace,
         )
-        wait = (max_wait_ms if max_wait_ms is not None else 86_400_000) / 1000 + self.request_timeout
+        wait = acquire_timeout(msg, self.request_timeout)
         result: p.LeaseResult = await self.call(msg, timeout=wait)
         return result
 
@@ -452,7 +453,7 @@ class AsyncClient:
         return reply.policies
 
     async def set_policy(self, task_type: str, **fields: Any) -> None:
-        await self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
+        await self.call(policy_msg(task_type, fields))
 
     # --- allocations ---------------------------------------------------------
 
@@ -472,7 +473,7 @@ class AsyncClient:
         """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises
         ProtocolError with code ``insufficient`` when the node cannot hold it
         (after waiting up to ``wait_ms`` in the priority queue)."""
-        msg = _allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
+        msg = allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
         reply: p.Allocated = await self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)
         return reply
 
@@ -514,7 +515,7 @@ class AsyncClient:
     ) -> list[int]:
         """Change a client's limits (admin for another client's); the sessions changed."""
         reply: p.LimitsSet = await self.call(
-            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=_size(mem_limit))
+            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=size(mem_limit))
         )
         return reply.sessions
 
@@ -702,29 +703,14 @@ class AsyncClient:
     def _hello_msg(self) -> p.Hello:
         return p.Hello(id=0, version=p.PROTOCOL_VERSION, name=self.name, labels=self.labels)
 
-    @staticmethod
-    def _attach_msg(s: AsyncSession) -> p.Attach:
-        return p.Attach(
-            id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
-            mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
-        )
 
-    @staticmethod
-    def _apply_limits(s: AsyncSession, core_limit: int, mem_limit: int | None) -> None:
-        changed = mem_limit != s.mem_limit
-        s.core_limit, s.mem_limit = core_limit, mem_limit
-        if s.framework_hooks and (mem_limit is not None or changed):
-            try:
-                apply_torch_memory_limit(mem_limit)
-            except Exception:
-                log.exception("could not apply the memory limit to PyTorch")
 
     def _bind(self, s: AsyncSession, reply: p.Attached) -> None:
         s.id = reply.session
         s.gpu = reply.gpu
         s.memory_total_bytes = reply.memory_total_bytes
         s.mem_reported = None
-        self._apply_limits(s, reply.core_limit, reply.mem_limit)
+        apply_limits(s, reply.core_limit, reply.mem_limit)
         s.state = "idle"
         s.drop_pending = None
         self._sessions[s.id] = s
@@ -840,7 +826,7 @@ class AsyncClient:
             case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
                 s = self._sessions.get(sid)
                 if s is not None:
-                    self._apply_limits(s, core, mem)
+                    apply_limits(s, core, mem)
             case p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit):
                 s = self._sessions.get(sid)
                 if s is not None:
@@ -916,7 +902,7 @@ class AsyncClient:
             try:
                 wire = await _Wire.open(self.path)
                 welcome: p.Welcome = await wire.call(self._hello_msg(), self.request_timeout)
-                attached = [(s, await wire.call(self._attach_msg(s), self.request_timeout)) for s in list(self._all)]
+                attached = [(s, await wire.call(attach_msg(s), self.request_timeout)) for s in list(self._all)]
             except GpudError as exc:
                 if wire is not None:
                     wire.close()

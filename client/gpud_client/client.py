@@ -30,37 +30,22 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
-from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
-from gpud_client.units import parse_bytes
+from gpud_client._requests import (
+    acquire_msg,
+    acquire_timeout,
+    allocate_msg,
+    apply_limits,
+    attach_msg,
+    policy_msg,
+    size,
+)
+from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
 State = Literal["idle", "waiting", "holding", "releasing"]
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
-
-
-def _size(value: int | str | None) -> int | None:
-    return parse_bytes(value) if isinstance(value, str) else value
-
-
-def _allocate_msg(
-    task_id: str,
-    gpus: float,
-    cpus: int,
-    prefer: list[int | str] | None,
-    strategy: p.Strategy | str,
-    tenant: str | None,
-    priority: int | p.PriorityClass | str | None,
-    wait_ms: int,
-    owner_pid: int | None,
-) -> p.Allocate:
-    level = priority if isinstance(priority, int) else None
-    klass = p.PriorityClass(priority) if isinstance(priority, str) else None
-    return p.Allocate(
-        id=0, task_id=task_id, gpus=float(gpus), cpus=cpus, prefer=list(prefer or []), strategy=p.Strategy(strategy),
-        tenant=tenant, priority=level, priority_class=klass, wait_ms=wait_ms, owner_pid=owner_pid,
-    )
 
 
 class _Pending:
@@ -151,7 +136,7 @@ class Session:
 
     def set_limits(self, *, core_limit: int | None = None, mem_limit: int | str | None = None) -> None:
         """Change this session's own limits; the window's use is kept."""
-        self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=_size(mem_limit)))
+        self.client.call(p.SetLimits(id=0, session=self.id, core_limit=core_limit, mem_limit=size(mem_limit)))
 
     def close(self) -> None:
         self.client._detach(self)
@@ -233,10 +218,10 @@ class Client:
         default probe and ``mem_limit`` also caps PyTorch's allocator."""
         s = Session(
             self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
-            core_limit=core_limit, mem_limit=_size(mem_limit), mem_estimate=_size(mem_estimate),
+            core_limit=core_limit, mem_limit=size(mem_limit), mem_estimate=size(mem_estimate),
             memory_probe=memory_probe, framework_hooks=framework_hooks,
         )
-        reply = self.call(self._attach_msg(s))
+        reply = self.call(attach_msg(s))
         with self._cond:
             self._bind(s, reply)
             self._all.append(s)
@@ -311,14 +296,11 @@ class Client:
     ) -> p.LeaseResult:
         """Ask for a lease; fields left out come from the task type's policy.
         Waits for the answer (at most max_wait, plus the request timeout)."""
-        msg = p.Acquire(
-            id=0, gpu=gpu, task_type=task_type, priority=priority, max_wait_ms=max_wait_ms,
-            hold_max_ms=hold_max_ms, queue_limit=queue_limit,
-            busy_policy=None if busy_policy is None else p.BusyPolicy(busy_policy),
-            mem_estimate=_size(mem_estimate),
-            trace=msgspec.convert(trace, p.Trace) if isinstance(trace, dict) else (trace or p.Trace()),
+        msg = acquire_msg(
+            gpu, task_type, priority=priority, max_wait_ms=max_wait_ms, hold_max_ms=hold_max_ms,
+            queue_limit=queue_limit, busy_policy=busy_policy, mem_estimate=mem_estimate, trace=trace,
         )
-        wait = (max_wait_ms if max_wait_ms is not None else 86_400_000) / 1000 + self.request_timeout
+        wait = acquire_timeout(msg, self.request_timeout)
         result: p.LeaseResult = self.call(msg, timeout=wait)
         return result
 
@@ -351,7 +333,7 @@ class Client:
 
     def set_policy(self, task_type: str, **fields: Any) -> None:
         """Hot-update a task type's lease policy (admin)."""
-        self.call(msgspec.convert({"type": "SET_POLICY", "id": 0, "task_type": task_type, **fields}, p.SetPolicy))
+        self.call(policy_msg(task_type, fields))
 
     # --- allocations ---------------------------------------------------------
 
@@ -371,7 +353,7 @@ class Client:
         """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises
         ProtocolError with code ``insufficient`` when the node cannot hold it
         (after waiting up to ``wait_ms`` in the priority queue)."""
-        msg = _allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
+        msg = allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
         reply: p.Allocated = self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)
         return reply
 
@@ -399,7 +381,7 @@ class Client:
     ) -> list[int]:
         """Change a client's limits (admin for another client's); the sessions changed."""
         reply: p.LimitsSet = self.call(
-            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=_size(mem_limit))
+            p.SetLimits(id=0, client=client, gpu=gpu, core_limit=core_limit, mem_limit=size(mem_limit))
         )
         return reply.sessions
 
@@ -558,29 +540,14 @@ class Client:
             s.mem_reported = used_bytes
             self._send(conn, p.MemUpdate(id=conn.next_id(), session=s.id, used_bytes=used_bytes))
 
-    @staticmethod
-    def _attach_msg(s: Session) -> p.Attach:
-        return p.Attach(
-            id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
-            mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
-        )
 
-    @staticmethod
-    def _apply_limits(s: Session, core_limit: int, mem_limit: int | None) -> None:
-        changed = mem_limit != s.mem_limit
-        s.core_limit, s.mem_limit = core_limit, mem_limit
-        if s.framework_hooks and (mem_limit is not None or changed):
-            try:
-                apply_torch_memory_limit(mem_limit)
-            except Exception:
-                log.exception("could not apply the memory limit to PyTorch")
 
     def _bind(self, s: Session, reply: p.Attached) -> None:
         s.id = reply.session
         s.gpu = reply.gpu
         s.memory_total_bytes = reply.memory_total_bytes
         s.mem_reported = None
-        self._apply_limits(s, reply.core_limit, reply.mem_limit)
+        apply_limits(s, reply.core_limit, reply.mem_limit)
         s.state = "idle"
         s.drop_pending = None
         self._sessions[s.id] = s
@@ -653,7 +620,7 @@ class Client:
                 case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
                     s = self._sessions.get(sid)
                     if s is not None:
-                        self._apply_limits(s, core, mem)
+                        apply_limits(s, core, mem)
                 case p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit):
                     s = self._sessions.get(sid)
                     if s is not None:
@@ -753,7 +720,7 @@ class Client:
 
     def _reattach(self, conn: Connection, s: Session) -> p.Attached | ProtocolError:
         try:
-            reply: p.Attached = conn.call(msgspec.structs.replace(self._attach_msg(s), id=conn.next_id()))
+            reply: p.Attached = conn.call(msgspec.structs.replace(attach_msg(s), id=conn.next_id()))
         except ProtocolError as exc:  # e.g. its GPU is gone: the others still re-attach
             return exc
         return reply
