@@ -35,18 +35,12 @@ from pathlib import Path
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
+from percentiles import percentile  # bench/, on the path when run as a script
 
 TARGETS = {"cycles_per_s": 1000.0, "allocate_ms_p99": 5.0}
 SEED_000 = {"allocate_ms": 100.0, "requests_per_minute": 200.0}  # the source design's own targets
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
 
 
 def worker(socket_path: str, index: int, warmup_s: float, seconds: float, out: mp.Queue) -> None:  # type: ignore[type-arg]

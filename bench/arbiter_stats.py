@@ -14,10 +14,10 @@ every answer (a TIMEOUT's too), not only the acquired ones.
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 from typing import Any
+from percentiles import percentile  # bench/, on the path when run as a script
 
 GIB = 2**30
 
@@ -26,12 +26,6 @@ class MeasurementError(Exception):
     """The holds contradict the gate's rules: nothing measured would mean anything."""
 
 
-def percentile(samples: list[float], pct: float) -> float:
-    """Nearest rank: the smallest sample with at least pct % of samples at or below it."""
-    if not samples:
-        raise ValueError("no samples")
-    ordered = sorted(samples)
-    return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
 
 
 def _holds(records: dict[str, list[Any]]) -> list[tuple[int, int, str]]:

@@ -47,6 +47,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
+from percentiles import percentile  # bench/, on the path when run as a script
 
 # (t_request, t_grant, t_release, t_released), monotonic ns; plain ints so they pickle anywhere.
 Cycle = tuple[int, int, int, int]
@@ -192,13 +193,6 @@ def handoffs_us(holds: list[tuple[int, Cycle]]) -> tuple[list[float], int]:
     return samples, idle
 
 
-def percentile(samples: list[float], pct: float) -> float:
-    """Nearest rank: the smallest sample with at least pct % of samples at or below it."""
-    if not samples:
-        raise ValueError("no samples")
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def _progress(message: str) -> None:
