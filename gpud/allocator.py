@@ -8,7 +8,6 @@ reclaims allocations whose owner process died. It never decides placement.
 
 from __future__ import annotations
 
-import math
 import os
 import sqlite3
 from typing import TYPE_CHECKING
@@ -16,7 +15,19 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpud.config import Config
-from gpud.core.ledger import UNIT, Allocation, Expired, GpuSpec, Insufficient, Ledger, LedgerEffect, Request, Served, TenantQuota
+from gpud.core.ledger import (
+    UNIT,
+    Allocation,
+    Expired,
+    GpuSpec,
+    Insufficient,
+    Ledger,
+    LedgerEffect,
+    Request,
+    Served,
+    TenantQuota,
+    to_fixed,
+)
 from gpud.core.scheduler import Refused
 from gpud.store import Store
 from gpud_client import protocol as p
@@ -27,22 +38,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("gpud.allocator")
 
 
-def fixed_gpus(value: float) -> int:
-    """GPUs as the wire carries them (a float) -> fixed point, refusing what is not exact."""
-    if not math.isfinite(value):
-        raise Refused(p.ErrorCode.INVALID, f"gpus must be a number, got {value}")
-    fixed = round(value * UNIT)
-    if abs(value * UNIT - fixed) > 1e-6:
-        raise Refused(p.ErrorCode.INVALID, f"gpus {value} is finer than 1/{UNIT} of a GPU")
-    return fixed
-
-
 class Allocator:
     def __init__(self, daemon: Daemon, config: Config, cpus: list[int]) -> None:
         self.daemon = daemon
         self.config = config
         specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in daemon.slots]
-        tenants = {name: TenantQuota(fixed_gpus(t.gpus), fixed_gpus(t.borrow)) for name, t in config.tenants.items()}
+        tenants = {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}
         self.ledger = Ledger(specs, cpus, tenants=tenants, seed=int.from_bytes(os.urandom(4), "big"))
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
@@ -69,7 +70,7 @@ class Allocator:
         if priority is None:
             priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else 50
         req = Request(
-            task_id=msg.task_id, gpus=fixed_gpus(msg.gpus), cpus=msg.cpus,
+            task_id=msg.task_id, gpus=to_fixed(msg.gpus), cpus=msg.cpus,
             prefer=tuple(self._prefer(ref) for ref in msg.prefer), strategy=msg.strategy, tenant=msg.tenant,
             priority=priority, owner_pid=msg.owner_pid, wait_us=msg.wait_ms * 1000,
         )
@@ -174,13 +175,6 @@ class Allocator:
             waiting=[r.task_id for r in self.ledger.waiting()], gpus=gpus, cpus_total=self.ledger.cpu_count,
             cpus_free=self.ledger.cpus_free(), tenants=tenants,
         )
-
-    def bridge(self, task_id: str, gpu: int, memory_total: int) -> tuple[int, int] | None:
-        """(core_limit, mem_limit) that a fractional allocation of ``task_id`` on ``gpu`` implies."""
-        alloc = self.ledger.get(task_id)
-        if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
-            return None
-        return max(1, alloc.share * 100 // UNIT), memory_total * alloc.share // UNIT
 
     # --- helpers ------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import trio
 
 from gpud.core.ledger import UNIT
 from gpud.devices import NvmlSampler, Reading
+from gpud.server import now_us
 
 if TYPE_CHECKING:
     from gpud.server import Daemon
@@ -39,8 +40,6 @@ async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None, interval_s: f
 
 def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
     m = daemon.metrics.node
-    from gpud.server import now_us
-
     now = now_us()
     for r in readings:
         slot = daemon.slots[r.index]
@@ -64,8 +63,6 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
 def publish(daemon: Daemon) -> None:
     """Refresh the gauges that describe state rather than events."""
     m = daemon.metrics.node
-    from gpud.server import now_us
-
     now = now_us()
     daemon.settle_all(now)
     seen: set[tuple[str, str, str, str]] = set()

@@ -349,10 +349,10 @@ class Daemon:
         sid = next(self._session_ids)
         core_limit, mem_limit = msg.core_limit, msg.mem_limit
         task_id = msg.task_id or conn.labels.get("task_id")
-        bridged = task_id and self.allocator.bridge(task_id, slot.gpu.index, slot.gpu.memory_total_bytes)
-        if bridged:  # a fractional allocation is enforced, unless the session asks for less
-            core_limit = min(core_limit, bridged[0])
-            mem_limit = bridged[1] if mem_limit is None else min(mem_limit, bridged[1])
+        if task_id:  # a fractional allocation of the task is enforced on its sessions
+            core_limit, mem_limit = self.allocator.ledger.session_limits(
+                task_id, slot.gpu.index, slot.gpu.memory_total_bytes, core_limit, mem_limit
+            )
             msg = msgspec.structs.replace(msg, core_limit=core_limit, mem_limit=mem_limit)
         effects = slot.scheduler.attach(
             sid, now, priority=msg.priority, core_limit=core_limit, mem_estimate=msg.mem_estimate, mem_limit=mem_limit,

@@ -6,7 +6,8 @@ Messages are frozen msgspec Structs in tagged unions keyed by ``type``; limits
 live in the types, so a decoded message is already validated.
 
 Requests carry an ``id`` chosen by the client; answers carry the ``id`` they
-answer; pushes (LOCK_OK, DROP_LOCK, REVOKED, SCHED_STATE) carry none. The lock
+answer; pushes (LOCK_OK, DROP_LOCK, REVOKED, SCHED_STATE, LIMITS_CHANGED,
+MEM_LIMIT_EXCEEDED, LEASE_REVOKED, GOODBYE) carry none. The lock
 vocabulary is nvshare's: LOCK_REQUEST, LOCK_OK, DROP_LOCK, LOCK_RELEASED,
 SCHED_ON, SCHED_OFF, SET_TQ.
 

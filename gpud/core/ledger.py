@@ -25,6 +25,7 @@ is integer microseconds passed in.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -74,6 +75,16 @@ class Allocation:
     @property
     def total(self) -> int:
         return self.share * len(self.gpus)
+
+
+def to_fixed(gpus: float) -> int:
+    """GPUs as people and the wire write them (a float) -> fixed point, refusing what is not exact."""
+    if not math.isfinite(gpus):
+        raise Refused(ErrorCode.INVALID, f"gpus must be a number, got {gpus}")
+    fixed = round(gpus * UNIT)
+    if abs(gpus * UNIT - fixed) > 1e-6:
+        raise Refused(ErrorCode.INVALID, f"gpus {gpus} is finer than 1/{UNIT} of a GPU")
+    return fixed
 
 
 class Insufficient(Exception):
@@ -204,6 +215,19 @@ class Ledger:
 
     def waiting(self) -> list[Request]:
         return [self._waiting[t].request for _, _, t in self._waiters]
+
+    def session_limits(
+        self, task_id: str, gpu: int, memory_total: int, core_limit: int, mem_limit: int | None
+    ) -> tuple[int, int | None]:
+        """The limits of a session of ``task_id`` on ``gpu``: a fractional
+        allocation there caps them at share x 100 % and share x memory,
+        unless the session asked for less. Otherwise they are as asked."""
+        alloc = self._allocs.get(task_id)
+        if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
+            return core_limit, mem_limit
+        core_cap = max(1, alloc.share * 100 // UNIT)
+        mem_cap = memory_total * alloc.share // UNIT
+        return min(core_limit, core_cap), mem_cap if mem_limit is None else min(mem_limit, mem_cap)
 
     def gpu_free(self, index: int) -> int:
         return self._gpus[index].free
