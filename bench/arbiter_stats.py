@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from typing import Any
+
 from percentiles import percentile  # bench/, on the path when run as a script
 
 GIB = 2**30
@@ -24,8 +25,6 @@ GIB = 2**30
 
 class MeasurementError(Exception):
     """The holds contradict the gate's rules: nothing measured would mean anything."""
-
-
 
 
 def _holds(records: dict[str, list[Any]]) -> list[tuple[int, int, str]]:
@@ -72,7 +71,8 @@ def busy_ratio(records: dict[str, list[Any]], lo: int, hi: int) -> float:
 
 
 def task_stats(records: list[Any]) -> dict[str, Any]:
-    """Waits (the daemon's answer; flock: time to get the lock), acquire as the client saw it, lateness."""
+    """Waits (the daemon's queue_wait_ms: 0 when granted at once; flock: time to get the lock), acquire as the
+    client saw it (round trip included), lateness."""
     if not records:
         return {"n": 0}
     waits = [r[6] if r[6] is not None else (r[2] - r[1]) / 1e6 for r in records]
@@ -80,7 +80,8 @@ def task_stats(records: list[Any]) -> dict[str, Any]:
     late = [(r[1] - r[0]) / 1e6 for r in records]
     refused = [r for r in records if r[4] != "ACQUIRED"]
     return {
-        "waits": waits,  # for the ratio's confidence interval; not reported
+        "waits": waits,  # for the ratios; not reported
+        "seen": seen,
         "n": len(records),
         "not_acquired": len(refused),
         "reasons": dict(Counter(f"{r[4]}:{r[5]}" for r in refused)),
@@ -111,14 +112,26 @@ def _r(x: float) -> float:
     return round(x, 3)
 
 
-def ratio_ci95(with_: list[float], without: list[float], *, resamples: int = 1000, seed: int = 0) -> list[float]:
-    """Bootstrap 95 % interval of p95(with) / p95(without): how far the run's ratio could be from chance."""
+def p95_ratio(with_: list[float], without: list[float]) -> float | None:
+    """p95(with) / p95(without). Both 0 (no request waited at the 95th percentile in either phase): 1.0, the
+    flood changed nothing. Only the one without 0: None, no finite ratio (and no target met)."""
+    a, b = percentile(with_, 95), percentile(without, 95)
+    if b > 0:
+        return a / b
+    return 1.0 if a == 0 else None
+
+
+def ratio_ci95(
+    with_: list[float], without: list[float], *, resamples: int = 1000, seed: int = 0
+) -> list[float | None]:
+    """Bootstrap 95 % interval of ``p95_ratio``: how far the run's ratio could be from chance (None: unbounded)."""
     rng = random.Random(seed)
-    ratios = sorted(
-        percentile(rng.choices(with_, k=len(with_)), 95) / percentile(rng.choices(without, k=len(without)), 95)
-        for _ in range(resamples)
-    )
-    return [_r(ratios[int(0.025 * resamples)]), _r(ratios[int(0.975 * resamples) - 1])]
+    ratios = [p95_ratio(rng.choices(with_, k=len(with_)), rng.choices(without, k=len(without)))
+              for _ in range(resamples)]
+    finite = sorted(r for r in ratios if r is not None)
+    unbounded = len(ratios) - len(finite)  # sorted last, above every finite ratio
+    ends = (int(0.025 * resamples), int(0.975 * resamples) - 1)
+    return [_r(finite[i]) if i < len(finite) else None for i in ends] if unbounded < resamples else [None, None]
 
 
 def mode_figures(without: dict[str, Any], with_: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +154,11 @@ def mode_figures(without: dict[str, Any], with_: dict[str, Any]) -> dict[str, An
         late = {"without_repair": _r(w0["late_p95_ms"]), "with_repair": _r(w1["late_p95_ms"])}
         out[f"{key}_late_start_p95_ms"] = late  # the service itself was busy: not a lease wait
         ratio_key = "p95_ratio_with_repair" if task == "ASR" else "nmt_p95_ratio_with_repair"
-        out[ratio_key] = _r(w1["wait_p95_ms"] / w0["wait_p95_ms"])
+        ratio = p95_ratio(w1["waits"], w0["waits"])
+        out[ratio_key] = None if ratio is None else _r(ratio)
         out[f"{ratio_key}_ci95"] = ratio_ci95(w1["waits"], w0["waits"])
+        seen = p95_ratio(w1["seen"], w0["seen"])  # round trip included: the daemon's load shows here
+        out[f"{key}_acquire_p95_ratio_with_repair"] = None if seen is None else _r(seen)
         out[f"{key}_p95_delta_ms"] = _r(w1["wait_p95_ms"] - w0["wait_p95_ms"])
     rep = with_["SEMANTIC_REPAIR"]
     out["repair_skip_rate"] = _r(rep["not_acquired"] / rep["n"])

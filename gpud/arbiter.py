@@ -99,7 +99,7 @@ class Arbiter:
             sid, now, priority=terms.priority, max_wait_us=terms.max_wait_ms * 1000,
             hold_max_us=terms.hold_max_ms * 1000, queue_limit=terms.queue_limit, mem_estimate=terms.mem_estimate,
         )
-        self.daemon.carry_out(slot, effects)
+        self.daemon.carry_out(slot, effects, now)
         if sid in self.by_sid and rec.granted_at is None:  # neither granted nor denied: it waits
             rec.waiting = True
             self._m(rec).queue_length.inc()
@@ -114,7 +114,7 @@ class Arbiter:
             )
         slot = self.daemon.slots[rec.gpu]
         self._finish(rec, now, "released")
-        self.daemon.carry_out(slot, slot.scheduler.release_lease(rec.sid, now))
+        self.daemon.carry_out(slot, slot.scheduler.release_lease(rec.sid, now), now)
 
     def connection_closed(self, conn: Connection, now: int) -> None:
         """Its leases die with it (the scheduler side is detached by the caller)."""

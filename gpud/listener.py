@@ -148,7 +148,8 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
             if delay > 0:
                 with trio.move_on_after(delay):
                     await slot.wake.wait()
-        daemon.carry_out(slot, slot.scheduler.advance(now_us()))
+        now = now_us()
+        daemon.carry_out(slot, slot.scheduler.advance(now), now)
 
 
 async def run_allocator_timer(daemon: Daemon) -> None:

@@ -23,7 +23,7 @@ class Metrics:
             "gpud_arbiter_acquire_total", "Lease acquires by their answer.", [*gt, "status"], registry=registry
         )
         self.queue_wait = Histogram(
-            "gpud_arbiter_queue_wait_seconds", "Time from ACQUIRE to its answer.", gt,
+            "gpud_arbiter_queue_wait_seconds", "Time an ACQUIRE waited in the queue for its answer (0: at once).", gt,
             buckets=_LATENCY_BUCKETS, registry=registry,
         )
         self.hold = Histogram(

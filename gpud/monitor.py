@@ -57,7 +57,7 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
         for sid, conn in list(daemon.owners.items()):
             used = (r.process_memory or {}).get(conn.pid)
             if used is not None and conn.sessions.get(sid) == r.index and not daemon.arbiter.owns(sid):
-                daemon.carry_out(slot, slot.scheduler.report_memory(sid, used, now))
+                daemon.carry_out(slot, slot.scheduler.report_memory(sid, used, now), now)
 
 
 def publish(daemon: Daemon) -> None:

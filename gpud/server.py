@@ -148,12 +148,12 @@ class Daemon:
     def targets(self, ref: int | str | None) -> list[GpuSlot]:
         return self.slots if ref is None else [self.slots[self.gpu_index(ref)]]
 
-    def carry_out(self, slot: GpuSlot, effects: list[Effect], now: int | None = None) -> None:
-        """Execute the scheduler's decisions and re-arm its timer."""
+    def carry_out(self, slot: GpuSlot, effects: list[Effect], now: int) -> None:
+        """Execute the scheduler's decisions, taken at ``now``, and re-arm its timer."""
         gpu = slot.gpu.index
         for e in effects:
             if self.arbiter.owns(e.session):
-                self.arbiter.carry_out(slot, e, now_us() if now is None else now)
+                self.arbiter.carry_out(slot, e, now)
                 continue
             owner = self.owners.get(e.session)
             if owner is None:
@@ -210,7 +210,7 @@ class Daemon:
             slot = self.slots[gpu]
             effects = slot.scheduler.detach(sid, now)
             self.owners.pop(sid, None)
-            self.carry_out(slot, effects)
+            self.carry_out(slot, effects, now)
         self.arbiter.connection_closed(conn, now)
         self.allocator.connection_closed(conn, now)
         conn.sessions.clear()
@@ -230,10 +230,10 @@ class Daemon:
             case p.Hello():
                 raise Refused(p.ErrorCode.INVALID, "HELLO was already received on this connection")
             case p.LockRequest(session=sid):
-                self.lock_op(conn, sid, lambda s: s.request(sid, now))
+                self.lock_op(conn, sid, now, lambda s: s.request(sid, now))
                 return None
             case p.LockReleased(session=sid, grant=g):
-                self.lock_op(conn, sid, lambda s: s.release(sid, now, grant=g))
+                self.lock_op(conn, sid, now, lambda s: s.release(sid, now, grant=g))
                 self.observe_release(conn, sid)
                 return None
             case p.Acquire():
@@ -243,7 +243,7 @@ class Daemon:
                 self.arbiter.release(conn, lease_id, now)
                 return None if quiet else p.Ok(id=msg.id)
             case p.MemUpdate(session=sid, used_bytes=used):
-                self.lock_op(conn, sid, lambda s: s.report_memory(sid, used, now))
+                self.lock_op(conn, sid, now, lambda s: s.report_memory(sid, used, now))
                 return None
             case p.Attach():
                 return self.attach(conn, msg, now)
@@ -253,7 +253,7 @@ class Daemon:
                 self.require_admin(conn, msg)
                 slots = self.targets(ref)
                 for slot in slots:
-                    self.carry_out(slot, slot.scheduler.set_mode(mode, now))
+                    self.carry_out(slot, slot.scheduler.set_mode(mode, now), now)
                 log.info("mode_set", gpus=[s.gpu.index for s in slots], mode=str(mode), by_pid=conn.pid)
                 return p.Ok(id=msg.id)
             case p.Detach(session=sid):
@@ -263,13 +263,13 @@ class Daemon:
                 effects = slot.scheduler.detach(sid, now)
                 del conn.sessions[sid]
                 del self.owners[sid]
-                self.carry_out(slot, effects)
+                self.carry_out(slot, effects, now)
                 return p.Ok(id=msg.id)
             case p.SchedOn() | p.SchedOff():
                 self.require_admin(conn, msg)
                 on = isinstance(msg, p.SchedOn)
                 for slot in self.targets(msg.gpu):
-                    self.carry_out(slot, slot.scheduler.set_enabled(on, now))
+                    self.carry_out(slot, slot.scheduler.set_enabled(on, now), now)
                     log.info("scheduler_switched", gpu=slot.gpu.index, on=on, by_pid=conn.pid)
                     for other in list(self.connections.values()):
                         if other.greeted:
@@ -279,7 +279,7 @@ class Daemon:
                 self.require_admin(conn, msg)
                 slots = self.targets(ref)
                 for slot in slots:
-                    self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now))
+                    self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now), now)
                 log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
                 return p.Ok(id=msg.id)
             case p.ReportOom(gpu=ref, task_type=task):
@@ -332,17 +332,17 @@ class Daemon:
             new = scheduler_config(config, slot.gpu)
             sched = slot.scheduler
             if new.tq_us != sched.config.tq_us:
-                self.carry_out(slot, sched.set_tq(new.tq_us, now))
+                self.carry_out(slot, sched.set_tq(new.tq_us, now), now)
             if new.mode != sched.config.mode:
-                self.carry_out(slot, sched.set_mode(new.mode, now))
-            self.carry_out(slot, sched.reconfigure(new, now))
+                self.carry_out(slot, sched.set_mode(new.mode, now), now)
+            self.carry_out(slot, sched.reconfigure(new, now), now)
         self.arbiter.set_policies(config.lease_policies())
         return changed
 
     def settle_all(self, now: int) -> None:
         """Bring every account up to ``now`` before reporting figures."""
         for slot in self.slots:
-            self.carry_out(slot, slot.scheduler.advance(now))
+            self.carry_out(slot, slot.scheduler.advance(now), now)
 
     def attach(self, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
         slot = self.slots[self.gpu_index(msg.gpu)]
@@ -359,7 +359,7 @@ class Daemon:
         )
         conn.sessions[sid] = slot.gpu.index
         self.owners[sid] = conn
-        self.carry_out(slot, effects)
+        self.carry_out(slot, effects, now)
         log.info(
             "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index,
             core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, priority=msg.priority,
@@ -399,7 +399,8 @@ class Daemon:
             raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
         for sid, g in chosen:  # ranges were checked by the decoder: nothing below can refuse
             slot = self.slots[g]
-            self.carry_out(slot, slot.scheduler.set_limits(sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit))
+            effects = slot.scheduler.set_limits(sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit)
+            self.carry_out(slot, effects, now)
             v = slot.scheduler.session(sid, now)
             self.send(target, p.LimitsChanged(session=sid, core_limit=v.core_limit, mem_limit=v.mem_limit))
         log.info(
@@ -444,9 +445,9 @@ class Daemon:
             raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"session {sid} is not attached on this connection")
         return self.slots[gpu]
 
-    def lock_op(self, conn: Connection, sid: int, op: Any) -> None:
+    def lock_op(self, conn: Connection, sid: int, now: int, op: Any) -> None:
         slot = self.owned(conn, sid)
-        self.carry_out(slot, op(slot.scheduler))
+        self.carry_out(slot, op(slot.scheduler), now)
 
     def require_admin(self, conn: Connection, msg: msgspec.Struct) -> None:
         if not self.is_admin(conn):

@@ -130,7 +130,7 @@ def test_the_context_manager_releases_on_exceptions(daemon: DaemonProcess) -> No
                 raise RuntimeError("inference failed")
         assert c.leases().leases == []
         with c.lease(0, task_type="ASR") as r2:
-            assert r2.acquired and r2.queue_wait_ms < 100
+            assert r2.acquired and r2.queue_wait_ms == 0  # granted the instant it was read: it never queued
 
 
 def test_each_busy_policy_answers_on_a_busy_gpu(daemon: DaemonProcess) -> None:
