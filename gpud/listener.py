@@ -28,6 +28,9 @@ from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
 _PEERCRED = struct.Struct("3i")
+# Reads that found data are not checkpoints (trio's receive_some yields after each one, a full
+# scheduling round per request): a connection yields every this many reads in a row instead.
+_FAIRNESS_READS = 16
 
 
 def peer_credentials(sock: Any) -> tuple[int, int, int]:
@@ -44,7 +47,7 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_write_loop, conn, stream, recv)
                 try:
-                    await _read_loop(daemon, conn, stream)
+                    await _read_loop(daemon, conn)
                 finally:
                     daemon.close(conn)
                     send.close()  # the writer flushes what is queued, then ends
@@ -66,19 +69,31 @@ async def _write_loop(conn: Connection, stream: trio.SocketStream, recv: trio.Me
                     chunks.append(recv.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+            conn.queued -= len(chunks)
             conn.writing = True
             await stream.send_all(b"".join(chunks) if len(chunks) > 1 else data)
             conn.writing = False
 
 
-async def _read_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
+async def _read_loop(daemon: Daemon, conn: Connection) -> None:
     codec = p.daemon_codec()
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
     counted = daemon.count_message
+    fd, in_a_row = conn.fd, 0
     while True:
-        data = await stream.receive_some(65536)
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:  # all read: sleep until the client writes again
+            in_a_row = 0
+            await trio.lowlevel.wait_readable(fd)
+            continue
+        except OSError:  # reset by the peer: the same as its end of file
+            return
         if not data:
             return
+        in_a_row += 1
+        if in_a_row % _FAIRNESS_READS == 0:  # a client that never pauses must not starve the others
+            await trio.lowlevel.checkpoint()
         try:
             payloads = frames.feed(data)
         except p.FrameTooLarge as exc:

@@ -31,7 +31,6 @@ def configure_logging(level: str = "info", fmt: Literal["auto", "json", "console
     )
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -43,6 +43,7 @@ from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
+_GPU_REFS_KEPT = 256  # resolved GPU keys remembered (a client may send any number of spellings)
 
 
 def now_us() -> int:
@@ -60,6 +61,7 @@ class Connection:
     cancel: trio.CancelScope
     connected_at: int
     writing: bool = False  # the writer task holds bytes not yet on the socket
+    queued: int = 0  # messages in the outbox the writer task has not taken yet
     closing: bool = False
     name: str = ""
     labels: dict[str, str] = field(default_factory=dict)
@@ -86,6 +88,7 @@ class Daemon:
         self.started_at = now_us()
         self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
+        self._gpu_refs: dict[int | str, int] = {}
         self.connections: dict[int, Connection] = {}
         self.owners: dict[int, Connection] = {}  # session -> connection
         self._client_ids = itertools.count(1)
@@ -110,7 +113,7 @@ class Daemon:
         data = self.encode(msg)
         if conn.closing:
             return
-        if not conn.writing and conn.outbox.statistics().current_buffer_used == 0:
+        if not conn.writing and conn.queued == 0:
             try:
                 sent = os.write(conn.fd, data)
             except BlockingIOError:
@@ -123,6 +126,7 @@ class Daemon:
             data = data[sent:]
         try:
             conn.outbox.send_nowait(data)
+            conn.queued += 1
         except trio.WouldBlock:
             log.warning("client_too_slow", client=conn.client_id, pid=conn.pid)
             conn.cancel.cancel()
@@ -140,10 +144,16 @@ class Daemon:
         child.inc()
 
     def gpu_index(self, ref: int | str) -> int:
+        found = self._gpu_refs.get(ref)
+        if found is not None:
+            return found
         try:
-            return resolve_gpu(ref, self._identities)
+            index = resolve_gpu(ref, self._identities)
         except ValueError as exc:
             raise Refused(p.ErrorCode.UNKNOWN_GPU, str(exc)) from None
+        if len(self._gpu_refs) < _GPU_REFS_KEPT:  # services repeat the same key: resolve it once
+            self._gpu_refs[ref] = index
+        return index
 
     def targets(self, ref: int | str | None) -> list[GpuSlot]:
         return self.slots if ref is None else [self.slots[self.gpu_index(ref)]]

@@ -556,11 +556,11 @@ class GpuScheduler:
     def _preempt_for(self, waiter: _Session, now: int, effects: list[Effect]) -> None:
         """Drop lower-priority holders, lowest first, if that lets ``waiter`` in."""
         staying = [s for s in self._running.values() if s.drop_reason is None]
-        if self._fits_beside(waiter, staying):
-            return  # enough is already on its way out
         victims = sorted(
             (s for s in staying if s.priority < waiter.priority and not s.lease), key=lambda s: (s.priority, -s.granted_at)
         )
+        if not victims or self._fits_beside(waiter, staying):
+            return  # nobody may be dropped for it, or enough is already on its way out
         chosen: list[_Session] = []
         for v in victims:
             chosen.append(v)
