@@ -56,6 +56,27 @@ class _Pending:
         self.reply: Any = None
 
 
+class _Slice:
+    """The context of ``Session.slice``: a class, not a generator, because a slice's entry and exit run
+    between every two kernels while the lock is held, and every microsecond there is billed GPU time."""
+
+    __slots__ = ("session", "arbitrated")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.arbitrated = False
+
+    def __enter__(self) -> Session:
+        s = self.session
+        self.arbitrated = s.client._enter_slice(s)
+        return s
+
+    def __exit__(self, *exc: object) -> None:
+        if self.arbitrated:
+            s = self.session
+            s.client._exit_slice(s)
+
+
 class Session:
     """A process's place on one GPU. Create with ``Client.session``."""
 
@@ -108,15 +129,9 @@ class Session:
     def holding(self) -> bool:
         return self.state == "holding"
 
-    @contextmanager
-    def slice(self) -> Iterator[Session]:
-        """One unit of GPU work under the lock."""
-        arbitrated = self.client._enter_slice(self)
-        try:
-            yield self
-        finally:
-            if arbitrated:
-                self.client._exit_slice(self)
+    def slice(self) -> _Slice:
+        """One unit of GPU work under the lock: ``with session.slice(): ...``."""
+        return _Slice(self)
 
     def acquire(self) -> None:
         """Take the lock and keep it until ``release``: an open-ended slice.
