@@ -22,9 +22,10 @@ What is measured, against real daemons (a fresh ``gpud --simulate 1x16GiB
   request spent queued, from the daemon reading it to the scheduler granting
   or refusing it (0 for a lease granted at once). When no ASR request waits
   at the 95th percentile with or without the flood, the p95 ratio is 1.0 (the
-  flood changed nothing) and is flagged so; if only the phase without the
-  flood has a zero p95 the ratio is "unbounded" and fails. The time the client
-  saw ``acquire`` take (round trip included, so the daemon's load shows) is
+  flood changed nothing) and ``p95_ratio_with_repair_zero_over_zero`` says
+  so; if only the phase without the flood has a zero p95, the ratio is null
+  in the JSON ("inf" in the table) and fails. The time the client saw
+  ``acquire`` take (round trip included, so the daemon's load shows) is
   reported beside it, with its own with/without-flood p95 ratio.
 - Baseline: the same processes with the GPU section under
   ``fcntl.flock(LOCK_EX)`` on a temp file (repair: ``LOCK_EX|LOCK_NB`` polled
@@ -365,7 +366,7 @@ def _target_rows(r: dict[str, Any]) -> list[tuple[str, Any, bool]]:
 
 
 def _num(x: float | None, digits: int) -> str:
-    return "unbounded" if x is None else f"{x:.{digits}f}"
+    return "inf" if x is None else f"{x:.{digits}f}"  # None: no finite ratio (null in the JSON)
 
 
 def table(r: dict[str, Any]) -> str:
@@ -379,6 +380,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{task.upper() + ' start late p95, no repair / flood':<42}" + "".join(f"{c:>17}" for c in cells))
     for label, key in _RATIO_ROWS:
         lines.append(f"{label:<42}" + "".join(f"{_num(d[key], 3):>17}" for d in columns))
+        if r.get(f"{key}_zero_over_zero"):
+            lines.append(f"{'  (no wait at p95 in either phase: 0/0)':<42}")
         if f"{key}_ci95" in r:
             cells = [f"{_num(d[key + '_ci95'][0], 2)}-{_num(d[key + '_ci95'][1], 2)}" for d in columns]
             lines.append(f"{'  bootstrap 95 % interval':<42}" + "".join(f"{c:>17}" for c in cells))

@@ -156,6 +156,7 @@ def mode_figures(without: dict[str, Any], with_: dict[str, Any]) -> dict[str, An
         ratio_key = "p95_ratio_with_repair" if task == "ASR" else "nmt_p95_ratio_with_repair"
         ratio = p95_ratio(w1["waits"], w0["waits"])
         out[ratio_key] = None if ratio is None else _r(ratio)
+        out[f"{ratio_key}_zero_over_zero"] = w1["wait_p95_ms"] == 0 == w0["wait_p95_ms"]  # read as 1.0
         out[f"{ratio_key}_ci95"] = ratio_ci95(w1["waits"], w0["waits"])
         seen = p95_ratio(w1["seen"], w0["seen"])  # round trip included: the daemon's load shows here
         out[f"{key}_acquire_p95_ratio_with_repair"] = None if seen is None else _r(seen)
