@@ -71,10 +71,11 @@ def nvml_gpus(nvml: Any) -> list[Gpu]:
 
 def _import_nvml() -> ModuleType | None:
     try:
-        import pynvml
+        import pynvml  # type: ignore[import-untyped]
     except ImportError:
         return None
-    return pynvml
+    module: ModuleType = pynvml
+    return module
 
 
 def discover(simulate: str | None = None, *, nvml: Any = None) -> list[Gpu]:

@@ -65,7 +65,7 @@ def publish(daemon: Daemon) -> None:
     m = daemon.metrics.node
     now = now_us()
     daemon.settle_all(now)
-    seen: set[tuple[str, str, str, str]] = set()
+    seen: set[tuple[str, ...]] = set()
     for slot in daemon.slots:
         gpu = slot.gpu.index
         view = slot.scheduler.view(now)
@@ -80,7 +80,7 @@ def publish(daemon: Daemon) -> None:
                 if g != gpu or daemon.arbiter.owns(sid):
                     continue
                 v = slot.scheduler.session(sid, now)
-                labels = (str(gpu), str(sid), conn.name or "?", str(conn.pid))
+                labels: tuple[str, ...] = (str(gpu), str(sid), conn.name or "?", str(conn.pid))
                 seen.add(labels)
                 m.session_core_limit.labels(*labels).set(v.core_limit / 100)
                 m.session_window_used.labels(*labels).set(v.used_us / 1e6)

@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from gpud.core.quota import ComputeAccounts, QuotaConfig
-from gpud.core.snapshots import HolderView, SchedulerView, SessionView, WaiterView
+from gpud.core.snapshots import HolderView, SchedulerView, SessionState, SessionView, WaiterView
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode, RevokeReason
 
 __all__ = [
@@ -141,7 +141,7 @@ class _Session:
     wait_deadline: int | None = None  # a waiting lease's max_wait
     hold_max_us: int | None = None  # a lease's watchdog
     overdue: bool = False
-    state: str = "idle"  # idle | waiting | holding
+    state: SessionState = "idle"
     requested_at: int = 0
     grant: int = 0
     granted_at: int = 0

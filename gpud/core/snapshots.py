@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from gpud_client.protocol import DropReason, Mode
+
+SessionState = Literal["idle", "waiting", "holding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +29,7 @@ class WaiterView:
 @dataclass(frozen=True, slots=True)
 class SessionView:
     session: int
-    state: str
+    state: SessionState
     priority: int
     grant: int
     grants: int
