@@ -184,10 +184,13 @@ class Client:
         self.unavailable_timeout = unavailable_timeout
         self.proceed_unarbitrated = proceed_unarbitrated
         self.request_timeout = request_timeout
-        self._cond = threading.Condition(threading.RLock())
+        # One lock for all client state. The slice paths take it bare (a C-level context manager,
+        # no Python frames: that time is billed while the lock is kept between slices).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         # The idle thread waits on its own condition (same lock), so the reader's
         # and every slice's notifications do not wake it for nothing.
-        self._idle_cond = threading.Condition(self._cond._lock)  # type: ignore[attr-defined]
+        self._idle_cond = threading.Condition(self._lock)
         self._idle_wake_at = math.inf  # when the idle thread looks next
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -422,7 +425,7 @@ class Client:
     # --- sessions -----------------------------------------------------------
 
     def _enter_slice(self, s: Session) -> bool:
-        with self._cond:
+        with self._lock:
             if s.closed:
                 raise GpudError("this session is closed")
             if s.in_slice:
@@ -436,11 +439,11 @@ class Client:
         try:
             arbitrated = self._acquire(s)
         except BaseException:
-            with self._cond:
+            with self._lock:
                 s.in_slice = False
             raise
         if not arbitrated:
-            with self._cond:
+            with self._lock:
                 s.in_slice = False
         return arbitrated
 
@@ -453,7 +456,7 @@ class Client:
             else:
                 if s.mem_reported is None or abs(used - s.mem_reported) >= _MEM_REPORT_STEP:
                     self._report_memory(s, used)
-        with self._cond:
+        with self._lock:
             s.in_slice = False
             if s.closed:
                 return
