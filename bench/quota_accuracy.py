@@ -7,6 +7,9 @@ scenario, default 2 s window unless --window is given):
 - concurrent-50: a 50 % session beside an unlimited one, concurrent mode
   (and, only with --only, concurrent-25: the same at 25 %, where the limit
   binds; at 50 % wall/k billing never throttles it);
+- unlimited-alone: the same kind of session alone and unlimited (run last, so
+  the others keep their seeds): its kernel share is what "the whole GPU"
+  gives such a process on this host, its per-kernel overhead included;
 - limit-update: an unlimited session is set to 20 % with ``gpuctl limit``;
   the time from gpuctl returning to the session's DROP_LOCK (reason quota)
   arriving, then the other way (20 % back to 100 % while throttled: gpuctl
@@ -34,8 +37,12 @@ for every process on Linux, the daemon's included.
   origin is the daemon's start, read from STATUS's uptime; ms resolution),
   starts after a warm-up of 2 to 3 windows and covers exactly N windows
   (default 30). Achieved share = GPU time in the interval / its length. Error =
-  achieved - target in percentage points; slowdown = 100 / achieved, i.e.
-  against the same process alone and unlimited, which gets the whole GPU.
+  achieved - target in percentage points; slowdown = 100 / achieved. With
+  unlimited-alone run, each serial entry also gets ``share_of_alone`` =
+  achieved / the unlimited run's achieved (and ``slowdown_vs_alone``): the
+  share of a lone process's throughput, the way the nvshare-derived figures
+  (1 / slowdown against an unlimited run) are measured. The targets apply to
+  ``achieved``.
 - Also per session: ``gaps_in_holds_pp``, the time it held the lock between two
   of its own kernels (the client's slice exit and entry plus this loop's few
   lines). The daemon bills that time, rightly (the session holds the GPU), but
@@ -86,6 +93,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import Client
 
 UNLIMITED = 100
+BASELINE = "unlimited-alone"
 NEVER = 2**62
 STOP_MARGIN_NS = 50_000_000
 LIMIT_NAME = "bench-limit"
@@ -121,6 +129,9 @@ SCENARIOS = {
         # Beside one unlimited holder a 50 % session is billed wall/2 all along and never
         # throttled: its share is the device's fairness. This one is throttled (--only).
         Scenario("concurrent-25", "concurrent", (25, UNLIMITED), default=False),
+        # The same kind of process alone and unlimited: what "the whole GPU" gives it on this host,
+        # its own per-kernel overhead included. Last, so that the others keep their seeds.
+        Scenario(BASELINE, "serial", (UNLIMITED,)),
     ]
 }
 LIMIT_UPDATE = "limit-update"
@@ -296,6 +307,18 @@ def entries(run: dict[str, Any], sc: Scenario) -> list[dict[str, Any]]:
     return out
 
 
+def relative_to_baseline(scenarios: list[dict[str, Any]], alone: float) -> None:
+    """Serial entries measured against the unlimited run alone, as the nvshare-derived figures are
+    (their "achieved" is 1 / slowdown against an unlimited run): the share of the whole GPU's
+    throughput the session got. Per-kernel overhead is in both runs, so it cancels."""
+    for e in scenarios:
+        if e["mode"] == "serial":
+            share = 100 * e["achieved"] / alone
+            e["share_of_alone"] = _pct(share)
+            e["error_vs_alone_pp"] = _pct(share - e["target"])
+            e["slowdown_vs_alone"] = round(alone / e["achieved"], 3)
+
+
 # --- limit update ------------------------------------------------------------------
 
 
@@ -420,12 +443,14 @@ def _limit_figures(
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'scenario':<20}{'target':>8}{'achieved':>10}{'error':>10}{'tol':>6}{'gaps':>7}{'slowdown':>10}"
-             f"  {'nvshare-derived':<16} met"]
+             f"{'vs alone':>10}  {'nvshare-derived':<16} met"]
     for e in result["scenarios"]:
         ref = f"{e['reference_achieved']:.1f} % ({e['reference_slowdown']:.2f}x)" if e["reference_achieved"] else ""
+        alone = f"{e['share_of_alone']:.2f} %" if "share_of_alone" in e else "-"
         lines.append(
             f"{e['name']:<20}{e['target']:>6.1f} %{e['achieved']:>8.2f} %{e['error_pp']:>+7.2f} pp"
-            f"{e['tolerance_pp']:>6.1f}{e['gaps_in_holds_pp']:>7.2f}{e['slowdown']:>9.2f}x  {ref:<16} "
+            f"{e['tolerance_pp']:>6.1f}{e['gaps_in_holds_pp']:>7.2f}{e.get('slowdown_vs_alone', e['slowdown']):>9.2f}x"
+            f"{alone:>10}  {ref:<16} "
             f"{'yes' if e['met'] else 'NO'}"
         )
         if "unlimited_beside_achieved" in e:
@@ -446,6 +471,10 @@ def table(result: dict[str, Any]) -> str:
                      f"(target 20, error {ac['error_pp']:+.2f} pp)" + (f"; flags: {lu['flags']}" if lu["flags"] else ""))
     c = result["config"]
     lines.append("error = achieved - target (pp); tol = allowed |error|; gaps = lock held between two kernels (pp)")
+    if "baseline_achieved" in result:
+        lines.append(f"vs alone = achieved / {result['baseline_achieved']:.2f} %, what the same kind of process got "
+                     "alone and unlimited, and slowdown against that run (the nvshare-derived figures are measured "
+                     "that way)")
     lines.append(
         f"window {c['window_s']:g} s, {c['windows']} windows per scenario after {c['warmup_windows']}-"
         f"{c['warmup_windows'] + 1} warm-up windows, kernels {c['kernel_ms'][0]:g}-{c['kernel_ms'][1]:g} ms "
@@ -500,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         run = run_scenario(ctx, SCENARIOS[name], cfg, index)
         runs.append(run)
         result["scenarios"] += entries(run, SCENARIOS[name])
+    base = next((r for r in runs if r["name"] == BASELINE), None)
+    if base is not None:
+        relative_to_baseline(result["scenarios"], base["sessions"][0]["achieved"])
+        result["baseline_achieved"] = base["sessions"][0]["achieved"]
     if LIMIT_UPDATE in chosen:
         lu = run_limit_update(ctx, cfg)
         result["limit_update_ms"] = lu["max_ms"]
