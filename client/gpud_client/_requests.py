@@ -7,6 +7,7 @@ effect of limits on a session (its fields and the PyTorch hook). No I/O.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -17,6 +18,7 @@ from gpud_client.units import parse_bytes
 
 log = logging.getLogger("gpud_client")
 NO_MAX_WAIT_MS = 86_400_000  # an acquire without max_wait: the policy's answers within a day at most
+MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
 
 
 class SessionLike(Protocol):
@@ -26,6 +28,8 @@ class SessionLike(Protocol):
     mem_limit: int | None
     mem_estimate: int | None
     framework_hooks: bool
+    memory_probe: Callable[[], int] | None
+    mem_reported: int | None
 
 
 def size(value: int | str | None) -> int | None:
@@ -37,6 +41,20 @@ def attach_msg(s: SessionLike) -> p.Attach:
         id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
         mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
     )
+
+
+def memory_to_report(s: SessionLike) -> int | None:
+    """At a slice's end: the session's memory use if it moved enough since the last report, else None."""
+    if s.memory_probe is None:
+        return None
+    try:
+        used = s.memory_probe()
+    except Exception:
+        log.exception("memory probe failed")
+        return None
+    if s.mem_reported is not None and abs(used - s.mem_reported) < MEM_REPORT_STEP:
+        return None
+    return used
 
 
 def apply_limits(s: SessionLike, core_limit: int, mem_limit: int | None) -> None:

@@ -58,7 +58,6 @@ import asyncio
 import inspect
 import itertools
 import logging
-import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -74,9 +73,11 @@ from gpud_client._requests import (
     allocate_msg,
     apply_limits,
     attach_msg,
+    memory_to_report,
     policy_msg,
     size,
 )
+from gpud_client.connection import Inbox, unreachable
 from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
@@ -87,8 +88,6 @@ _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _CONNECT_TIMEOUT_S = 5.0
 _READ_BYTES = 65536
-_MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
-
 
 
 class _Wire:
@@ -99,8 +98,7 @@ class _Wire:
         self._reader = reader
         self._writer = writer
         self._codec = p.client_codec()
-        self._frames = p.FrameDecoder()
-        self._ready: deque[bytes] = deque()
+        self._inbox = Inbox(path, self._codec)
         self._backlog: deque[Any] = deque()  # messages call() read past, for recv()
         self._ids = itertools.count(1)
 
@@ -110,9 +108,7 @@ class _Wire:
             async with asyncio.timeout(_CONNECT_TIMEOUT_S):
                 reader, writer = await asyncio.open_unix_connection(path)
         except OSError as exc:  # TimeoutError included
-            hint = "" if os.path.exists(path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
-            reason = exc.strerror or str(exc) or "timed out"
-            raise DaemonUnavailable(f"cannot connect to gpud at {path}: {reason}{hint}") from None
+            raise unreachable(path, exc.strerror or str(exc) or "timed out") from None
         return cls(path, reader, writer)
 
     def next_id(self) -> int:
@@ -136,22 +132,13 @@ class _Wire:
         return await self._recv()
 
     async def _recv(self) -> Any:
-        while not self._ready:
+        while not self._inbox:
             try:
                 data = await self._reader.read(_READ_BYTES)
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
-            if not data:
-                raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
-            try:
-                self._ready.extend(self._frames.feed(data))
-            except p.FrameTooLarge as exc:
-                raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
-        payload = self._ready.popleft()
-        try:
-            return self._codec.decode(payload)
-        except msgspec.MsgspecError as exc:
-            raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
+            self._inbox.feed(data)
+        return self._inbox.pop()
 
     async def call(self, msg: msgspec.Struct, timeout: float) -> Any:
         """Send a request and read up to its answer, keeping what came first
@@ -568,17 +555,11 @@ class AsyncClient:
         return arbitrated
 
     async def _exit_slice(self, s: AsyncSession) -> None:
-        if s.memory_probe is not None:
+        if s.memory_probe is not None and (used := memory_to_report(s)) is not None:
             try:
-                used = s.memory_probe()
-            except Exception:
-                log.exception("memory probe failed")
-            else:
-                if s.mem_reported is None or abs(used - s.mem_reported) >= _MEM_REPORT_STEP:
-                    try:
-                        self._send_memory(s, used)
-                    except DaemonUnavailable:
-                        pass  # reported again after the re-attach, at a later slice's end
+                self._send_memory(s, used)
+            except DaemonUnavailable:
+                pass  # reported again after the re-attach, at a later slice's end
         s.in_slice = False
         if s.closed:
             return

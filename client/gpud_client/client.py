@@ -36,6 +36,7 @@ from gpud_client._requests import (
     allocate_msg,
     apply_limits,
     attach_msg,
+    memory_to_report,
     policy_msg,
     size,
 )
@@ -45,7 +46,6 @@ log = logging.getLogger("gpud_client")
 State = Literal["idle", "waiting", "holding", "releasing"]
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
-_MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
 
 
 class _Pending:
@@ -448,14 +448,8 @@ class Client:
         return arbitrated
 
     def _exit_slice(self, s: Session) -> None:
-        if s.memory_probe is not None:
-            try:
-                used = s.memory_probe()
-            except Exception:
-                log.exception("memory probe failed")
-            else:
-                if s.mem_reported is None or abs(used - s.mem_reported) >= _MEM_REPORT_STEP:
-                    self._report_memory(s, used)
+        if s.memory_probe is not None and (used := memory_to_report(s)) is not None:
+            self._report_memory(s, used)
         with self._lock:
             s.in_slice = False
             if s.closed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -18,24 +19,61 @@ from gpud_client import protocol as p
 from gpud_client.errors import DaemonUnavailable, ProtocolError
 
 
+def unreachable(path: str, reason: str) -> DaemonUnavailable:
+    """The error of a connect that failed, with a hint when the socket is not even there."""
+    hint = "" if os.path.exists(path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
+    return DaemonUnavailable(f"cannot connect to gpud at {path}: {reason}{hint}")
+
+
+class Inbox:
+    """The receiving half of a client connection, without I/O: bytes in, messages out.
+
+    Shared by the blocking ``Connection`` and the asyncio client; the errors are
+    the ones a client raises (end of stream, oversized frame, undecodable message)."""
+
+    def __init__(self, path: str, codec: p.Codec) -> None:
+        self.path = path
+        self._codec = codec
+        self._frames = p.FrameDecoder()
+        self._ready: deque[bytes] = deque()
+
+    def __bool__(self) -> bool:
+        """A whole message is waiting."""
+        return bool(self._ready)
+
+    def feed(self, data: bytes) -> None:
+        """What one read returned; b"" is the daemon closing the connection."""
+        if not data:
+            raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
+        try:
+            self._ready.extend(self._frames.feed(data))
+        except p.FrameTooLarge as exc:
+            raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
+
+    def pop(self) -> Any:
+        """The next whole message, decoded (only when one is waiting)."""
+        try:
+            return self._codec.decode(self._ready.popleft())
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
+
+
 class Connection:
     """One Unix-socket connection speaking the framed protocol, blocking."""
 
     def __init__(self, path: str | None = None, *, timeout: float | None = 5.0) -> None:
         self.path = p.resolve_socket_path(path)
         self._codec = p.client_codec()
-        self._frames = p.FrameDecoder()
-        self._ready: list[bytes] = []
-        self._backlog: list[Any] = []  # messages call() read past, for recv()
+        self._inbox = Inbox(self.path, self._codec)
+        self._backlog: deque[Any] = deque()  # messages call() read past, for recv()
         self._ids = itertools.count(1)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(self.path)
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as exc:
+        except OSError as exc:  # refused, missing, timed out
             self.sock.close()
-            hint = "" if os.path.exists(self.path) else " (no such socket: is gpud running? see --socket / $GPUD_SOCKET)"
-            raise DaemonUnavailable(f"cannot connect to gpud at {self.path}: {exc.strerror or exc}{hint}") from None
+            raise unreachable(self.path, exc.strerror or str(exc)) from None
         self.sock.settimeout(None)
         self._timeout: float | None = None
 
@@ -54,11 +92,11 @@ class Connection:
     def recv(self, timeout: float | None = None) -> Any:
         """The next message from the daemon. Raises DaemonUnavailable on EOF."""
         if self._backlog:
-            return self._backlog.pop(0)
+            return self._backlog.popleft()
         return self._recv(timeout)
 
     def _recv(self, timeout: float | None) -> Any:
-        while not self._ready:
+        while not self._inbox:
             try:
                 if timeout != self._timeout:  # one syscall saved per read
                     self.sock.settimeout(timeout)
@@ -68,17 +106,8 @@ class Connection:
                 raise TimeoutError(f"no message from gpud within {timeout} s") from None
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
-            if not data:
-                raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
-            try:
-                self._ready.extend(self._frames.feed(data))
-            except p.FrameTooLarge as exc:
-                raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
-        payload = self._ready.pop(0)
-        try:
-            return self._codec.decode(payload)
-        except msgspec.MsgspecError as exc:
-            raise ProtocolError(p.ErrorCode.INVALID, f"undecodable message from gpud: {exc}") from None
+            self._inbox.feed(data)
+        return self._inbox.pop()
 
     def call(self, msg: msgspec.Struct, timeout: float | None = 10.0) -> Any:
         """Send a request and wait for its answer. Messages that arrive first
