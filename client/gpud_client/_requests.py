@@ -1,14 +1,15 @@
 """What the sync and the asyncio client build and apply alike, written once.
 
-Pure helpers: request messages from the clients' keyword arguments, and the
-effect of limits on a session (its fields and the PyTorch hook). No I/O.
+Pure helpers: request messages from the clients' keyword arguments, and what
+the daemon's answers and pushes do to a session's fields (limits with the
+PyTorch hook, binding, grants, revocations). No I/O.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -19,6 +20,7 @@ from gpud_client.units import parse_bytes
 log = logging.getLogger("gpud_client")
 NO_MAX_WAIT_MS = 86_400_000  # an acquire without max_wait: the policy's answers within a day at most
 MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
+State = Literal["idle", "waiting", "holding", "releasing"]
 
 
 class SessionLike(Protocol):
@@ -30,6 +32,15 @@ class SessionLike(Protocol):
     framework_hooks: bool
     memory_probe: Callable[[], int] | None
     mem_reported: int | None
+    id: int
+    gpu: int
+    memory_total_bytes: int
+    state: State
+    grant: int
+    drop_pending: p.DropReason | None
+    last_used: float
+    grants: int
+    revocations: int
 
 
 def size(value: int | str | None) -> int | None:
@@ -55,6 +66,29 @@ def memory_to_report(s: SessionLike) -> int | None:
     if s.mem_reported is not None and abs(used - s.mem_reported) < MEM_REPORT_STEP:
         return None
     return used
+
+
+def bind(s: SessionLike, reply: p.Attached) -> None:
+    """The daemon attached (or re-attached) the session: its id, GPU and limits; no lock held."""
+    s.id, s.gpu, s.memory_total_bytes = reply.session, reply.gpu, reply.memory_total_bytes
+    s.mem_reported = None
+    apply_limits(s, reply.core_limit, reply.mem_limit)
+    s.state, s.drop_pending = "idle", None
+
+
+def granted(s: SessionLike, grant: int, now: float) -> None:
+    """LOCK_OK: the session holds the lock under ``grant``."""
+    s.state, s.grant, s.drop_pending = "holding", grant, None
+    s.grants += 1
+    s.last_used = now
+
+
+def revoked(s: SessionLike, grant: int, reason: p.RevokeReason) -> None:
+    """REVOKED: the lock of ``grant`` is gone (a stale grant's revocation changes nothing)."""
+    if s.grant == grant and s.state in ("holding", "releasing"):
+        s.state, s.drop_pending = "idle", None
+        s.revocations += 1
+        log.warning("gpud revoked the GPU lock of session %d (%s)", s.id, reason)
 
 
 def apply_limits(s: SessionLike, core_limit: int, mem_limit: int | None) -> None:

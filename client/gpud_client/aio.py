@@ -61,27 +61,30 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from gpud_client import protocol as p
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client._requests import (
+    State,
     acquire_msg,
     acquire_timeout,
     allocate_msg,
     apply_limits,
     attach_msg,
+    bind,
+    granted,
     memory_to_report,
     policy_msg,
+    revoked,
     size,
 )
 from gpud_client.connection import Inbox, unreachable
 from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
-State = Literal["idle", "waiting", "holding", "releasing"]
 DropHook = Callable[[p.DropReason], Awaitable[None] | None]
 SyncHook = Callable[[], Awaitable[None] | None]
 _BACKOFF_START_S = 0.05
@@ -687,13 +690,7 @@ class AsyncClient:
 
 
     def _bind(self, s: AsyncSession, reply: p.Attached) -> None:
-        s.id = reply.session
-        s.gpu = reply.gpu
-        s.memory_total_bytes = reply.memory_total_bytes
-        s.mem_reported = None
-        apply_limits(s, reply.core_limit, reply.mem_limit)
-        s.state = "idle"
-        s.drop_pending = None
+        bind(s, reply)
         self._sessions[s.id] = s
         self.scheduler_on[reply.gpu] = reply.scheduler_on
 
@@ -787,9 +784,7 @@ class AsyncClient:
                 s = self._sessions.get(sid)
                 if s is not None:
                     self._lock_requests.pop(s.request_id, None)
-                    s.state, s.grant, s.drop_pending = "holding", g, None
-                    s.grants += 1
-                    s.last_used = self._now()
+                    granted(s, g, self._now())
                     if not (s.entering or s.in_slice):
                         self._hand_back(s)  # the slice that asked was cancelled
             case p.DropLock(session=sid, grant=g, reason=reason):
@@ -800,10 +795,8 @@ class AsyncClient:
                     self._tell_drop(s, g, reason)
             case p.Revoked(session=sid, grant=g, reason=reason):
                 s = self._sessions.get(sid)
-                if s is not None and s.grant == g and s.state in ("holding", "releasing"):
-                    s.state, s.drop_pending = "idle", None
-                    s.revocations += 1
-                    log.warning("gpud revoked the GPU lock of session %d (%s)", sid, reason)
+                if s is not None:
+                    revoked(s, g, reason)
             case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
                 s = self._sessions.get(sid)
                 if s is not None:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -31,19 +31,22 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client._requests import (
+    State,
     acquire_msg,
     acquire_timeout,
     allocate_msg,
     apply_limits,
     attach_msg,
+    bind,
+    granted,
     memory_to_report,
     policy_msg,
+    revoked,
     size,
 )
 from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
-State = Literal["idle", "waiting", "holding", "releasing"]
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 
@@ -555,13 +558,7 @@ class Client:
 
 
     def _bind(self, s: Session, reply: p.Attached) -> None:
-        s.id = reply.session
-        s.gpu = reply.gpu
-        s.memory_total_bytes = reply.memory_total_bytes
-        s.mem_reported = None
-        apply_limits(s, reply.core_limit, reply.mem_limit)
-        s.state = "idle"
-        s.drop_pending = None
+        bind(s, reply)
         self._sessions[s.id] = s
         self.scheduler_on[reply.gpu] = reply.scheduler_on
 
@@ -609,9 +606,7 @@ class Client:
                     s = self._sessions.get(sid)
                     if s is not None:
                         self._lock_requests.pop(s.request_id, None)
-                        s.state, s.grant, s.drop_pending = "holding", g, None
-                        s.grants += 1
-                        s.last_used = time.monotonic()
+                        granted(s, g, time.monotonic())
                 case p.DropLock(session=sid, grant=g, reason=reason):
                     s = self._sessions.get(sid)
                     if s is None or s.state != "holding" or s.grant != g:
@@ -625,10 +620,8 @@ class Client:
                         threading.Thread(target=self._give_back, args=(s,), daemon=True).start()
                 case p.Revoked(session=sid, grant=g, reason=reason):
                     s = self._sessions.get(sid)
-                    if s is not None and s.grant == g and s.state in ("holding", "releasing"):
-                        s.state, s.drop_pending = "idle", None
-                        s.revocations += 1
-                        log.warning("gpud revoked the GPU lock of session %d (%s)", sid, reason)
+                    if s is not None:
+                        revoked(s, g, reason)
                 case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
                     s = self._sessions.get(sid)
                     if s is not None:
