@@ -68,7 +68,7 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client._requests import (
-    State,
+    SessionFields,
     acquire_msg,
     acquire_timeout,
     allocate_msg,
@@ -82,7 +82,6 @@ from gpud_client._requests import (
     size,
 )
 from gpud_client.connection import Inbox, unreachable
-from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
 DropHook = Callable[[p.DropReason], Awaitable[None] | None]
@@ -165,7 +164,7 @@ class _Wire:
         self._writer.close()
 
 
-class AsyncSession:
+class AsyncSession(SessionFields):
     """A process's place on one GPU. Create with ``await AsyncClient.session``."""
 
     def __init__(
@@ -183,40 +182,15 @@ class AsyncSession:
         memory_probe: Callable[[], int] | None = None,
         framework_hooks: bool = True,
     ) -> None:
+        super().__init__(
+            gpu, priority=priority, idle_release=idle_release, core_limit=core_limit, mem_limit=mem_limit,
+            mem_estimate=mem_estimate, memory_probe=memory_probe, framework_hooks=framework_hooks,
+        )
         self.client = client
-        self.gpu_ref = gpu
-        self.priority = priority
-        self.core_limit = core_limit
-        self.mem_limit = mem_limit
-        self.mem_estimate = mem_estimate
-        self.framework_hooks = framework_hooks
-        self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
-        self.mem_reported: int | None = None
-        self.mem_error: MemoryLimitExceeded | None = None
-        self.memory_total_bytes = 0
-        self.idle_release = idle_release
         self.on_drop = on_drop
         self.synchronize = synchronize
-        self.id = 0  # the daemon's session id; changes on re-attach
-        self.gpu = -1
-        self.state: State = "idle"
-        self.grant = 0
-        self.drop_pending: p.DropReason | None = None
-        self.in_slice = False
         self.entering = False  # a slice() or acquire() waits for the lock
-        self.request_id = 0
-        self.last_used = 0.0  # loop.time()
-        self.error: GpudError | None = None
-        self.closed = False
         self.idle_timer: asyncio.TimerHandle | None = None
-        # counters an application can read
-        self.grants = 0
-        self.drops = 0
-        self.revocations = 0
-
-    @property
-    def holding(self) -> bool:
-        return self.state == "holding"
 
     @asynccontextmanager
     async def slice(self) -> AsyncIterator[AsyncSession]:

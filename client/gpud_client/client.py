@@ -31,7 +31,7 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, MemoryLimitExceeded, ProtocolError, error_from
 from gpud_client._requests import (
-    State,
+    SessionFields,
     acquire_msg,
     acquire_timeout,
     allocate_msg,
@@ -44,7 +44,6 @@ from gpud_client._requests import (
     revoked,
     size,
 )
-from gpud_client.frameworks import torch_memory_probe
 
 log = logging.getLogger("gpud_client")
 _BACKOFF_START_S = 0.05
@@ -80,7 +79,7 @@ class _Slice:
             s.client._exit_slice(s)
 
 
-class Session:
+class Session(SessionFields):
     """A process's place on one GPU. Create with ``Client.session``."""
 
     def __init__(
@@ -98,39 +97,14 @@ class Session:
         memory_probe: Callable[[], int] | None = None,
         framework_hooks: bool = True,
     ) -> None:
+        super().__init__(
+            gpu, priority=priority, idle_release=idle_release, core_limit=core_limit, mem_limit=mem_limit,
+            mem_estimate=mem_estimate, memory_probe=memory_probe, framework_hooks=framework_hooks,
+        )
         self.client = client
-        self.gpu_ref = gpu
-        self.priority = priority
-        self.core_limit = core_limit
-        self.mem_limit = mem_limit
-        self.mem_estimate = mem_estimate
-        self.framework_hooks = framework_hooks
-        self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
-        self.mem_reported: int | None = None
-        self.reattach_error: GpudError | None = None  # the daemon refused it after a reconnect
-        self.mem_error: MemoryLimitExceeded | None = None
-        self.memory_total_bytes = 0
-        self.idle_release = idle_release
         self.on_drop = on_drop
         self.synchronize = synchronize
-        self.id = 0  # the daemon's session id; changes on re-attach
-        self.gpu = -1
-        self.state: State = "idle"
-        self.grant = 0
-        self.drop_pending: p.DropReason | None = None
-        self.in_slice = False
-        self.request_id = 0
-        self.last_used = 0.0
-        self.error: GpudError | None = None
-        self.closed = False
-        # counters an application can read
-        self.grants = 0
-        self.drops = 0
-        self.revocations = 0
-
-    @property
-    def holding(self) -> bool:
-        return self.state == "holding"
+        self.reattach_error: GpudError | None = None  # the daemon refused it after a reconnect
 
     def slice(self) -> _Slice:
         """One unit of GPU work under the lock: ``with session.slice(): ...``."""
