@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from gpud.core.leases import DEFAULT_HOLD_MAX_MS, DEFAULT_POLICIES, DEFAULT_QUEUE_LIMIT, LeasePolicy
-from gpud_client.protocol import DEFAULT_SOCKET, MAX_FRAME_BYTES, BusyPolicy, Mode
+from gpud_client.protocol import DEFAULT_SOCKET, MAX_FRAME_BYTES, BusyPolicy, HoldMaxMs, Millis, Mode, Priority, QueueLimit
 
 DEFAULT_CONFIG_PATH = "/etc/gpud/gpud.toml"
 DEFAULT_METRICS_ADDR = "127.0.0.1:9402"
@@ -30,11 +30,11 @@ class ConfigError(Exception):
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    priority: Annotated[int, Meta(ge=0, le=100)]
+    priority: Priority
     busy_policy: BusyPolicy
-    max_wait_ms: Annotated[int, Meta(ge=0, le=86_400_000)]
-    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
-    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+    max_wait_ms: Millis
+    queue_limit: QueueLimit | None = None
+    hold_max_ms: HoldMaxMs | None = None
 
 
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,8 +61,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     drop_tail_billing_percent: Percent = 100
     share_windows: Annotated[int, Meta(ge=1, le=1000)] = 10
     # Leases (GpuArbiter)
-    lease_queue_limit: Annotated[int, Meta(ge=0, le=100_000)] = DEFAULT_QUEUE_LIMIT
-    lease_hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] = DEFAULT_HOLD_MAX_MS
+    lease_queue_limit: QueueLimit = DEFAULT_QUEUE_LIMIT
+    lease_hold_max_ms: HoldMaxMs = DEFAULT_HOLD_MAX_MS
     lease_force_release: bool = False
     policies: dict[str, PolicyConfig] = {}
     # Allocations

@@ -34,7 +34,7 @@ class Inbox:
     def __init__(self, path: str, codec: p.Codec) -> None:
         self.path = path
         self._codec = codec
-        self._frames = p.FrameDecoder()
+        self._frames = p.FrameDecoder(p.MAX_REPLY_BYTES)  # answers may be far larger than requests
         self._ready: deque[bytes] = deque()
 
     def __bool__(self) -> bool:

@@ -28,7 +28,10 @@ from msgspec import Meta, Struct
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 SOCKET_ENV = "GPUD_SOCKET"
-MAX_FRAME_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 64 * 1024  # the most a client may send in one frame (the daemon's default)
+# The most a client accepts from the daemon in one frame: answers such as CLIENTS or STATUS on a
+# busy node are far larger than any request, so the two directions have different limits.
+MAX_REPLY_BYTES = 64 * 2**20
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 
@@ -36,17 +39,31 @@ RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 SessionId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 GrantNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 Priority = Annotated[int, Meta(ge=0, le=100)]
-Name = Annotated[str, Meta(max_length=128)]
+# Names, labels and trace fields end up in tables, logs and metric labels: no control characters.
+_PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
+Name = Annotated[str, Meta(max_length=128, pattern=_PRINTABLE)]
+MAX_LABELS = 32
 # A GPU is named by its index, "gpu:N", or its UUID.
-GpuRef = Union[Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_length=1, max_length=96)]]
-Seconds = Annotated[float, Meta(gt=0, le=86400)]
+GpuRef = Union[
+    Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_length=1, max_length=96, pattern=r"^[A-Za-z0-9:_.-]+$")]
+]
+Seconds = Annotated[float, Meta(ge=0.001, le=86400)]  # a time quantum: 1 ms .. 1 day
 CoreLimit = Annotated[int, Meta(ge=1, le=100)]  # percent of GPU time; 100 = unlimited
 Bytes = Annotated[int, Meta(ge=0, le=2**62)]
 Millis = Annotated[int, Meta(ge=0, le=86_400_000)]
+HoldMaxMs = Annotated[int, Meta(ge=1, le=86_400_000)]
+QueueLimit = Annotated[int, Meta(ge=0, le=100_000)]
+# Linux's pid_max is at most 2**22: anything above cannot be a process, and would overflow kill(2).
+PID_MAX = 4_194_304
+Pid = Annotated[int, Meta(ge=1, le=PID_MAX)]
+Gpus = Annotated[float, Meta(ge=0, le=1024)]  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
+CpuCount = Annotated[int, Meta(ge=0, le=100_000)]
+TaskId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
 TaskType = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-LeaseId = Annotated[str, Meta(min_length=1, max_length=64)]
-ClientRef = Union[Annotated[int, Meta(ge=1)], Annotated[str, Meta(min_length=1, max_length=128)]]
-
+LeaseId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+ClientRef = Union[
+    Annotated[int, Meta(ge=1, le=2**63 - 1)], Annotated[str, Meta(min_length=1, max_length=128, pattern=_PRINTABLE)]
+]
 
 class ErrorCode(enum.StrEnum):
     """Why a request was refused. Stable strings: scripts match on them."""
@@ -68,6 +85,7 @@ class ErrorCode(enum.StrEnum):
     ALREADY_REQUESTED = "already_requested"  # LOCK_REQUEST while waiting or holding
     PERMISSION_DENIED = "permission_denied"
     SHUTTING_DOWN = "shutting_down"
+    LIMIT_REACHED = "limit_reached"  # a cap of the daemon (connections, sessions, queues...): the message names it
     INTERNAL = "internal"
 
 
@@ -151,7 +169,7 @@ class Hello(_Msg, tag="HELLO", frozen=True):
     id: RequestId
     version: int
     name: Name = ""
-    labels: Annotated[dict[Name, Name], Meta(max_length=32)] = {}
+    labels: Annotated[dict[Name, Name], Meta(max_length=MAX_LABELS)] = {}
 
 
 class Attach(_Msg, tag="ATTACH", frozen=True):
@@ -215,7 +233,7 @@ class Trace(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     job_id: Name | None = None
     session_id: Name | None = None
-    utterance_index: Annotated[int, Meta(ge=0)] | None = None
+    utterance_index: Annotated[int, Meta(ge=0, le=2**53)] | None = None
     stage: Name | None = None
 
 
@@ -229,8 +247,8 @@ class Acquire(_Msg, tag="ACQUIRE", frozen=True):
     task_type: TaskType = "OTHER"
     priority: Priority | None = None
     max_wait_ms: Millis | None = None
-    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
-    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
+    hold_max_ms: HoldMaxMs | None = None
+    queue_limit: QueueLimit | None = None
     busy_policy: BusyPolicy | None = None
     mem_estimate: Bytes | None = None
     trace: Trace = Trace()
@@ -266,15 +284,12 @@ class SetPolicy(_Msg, tag="SET_POLICY", frozen=True):
     priority: Priority | None = None
     busy_policy: BusyPolicy | None = None
     max_wait_ms: Millis | None = None
-    queue_limit: Annotated[int, Meta(ge=0, le=100_000)] | None = None
-    hold_max_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+    queue_limit: QueueLimit | None = None
+    hold_max_ms: HoldMaxMs | None = None
 
 
 class ListPolicies(_Msg, tag="POLICIES", frozen=True):
     id: RequestId
-
-
-TaskId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
 
 
 class Allocate(_Msg, tag="ALLOCATE", frozen=True):
@@ -284,15 +299,15 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True):
 
     id: RequestId
     task_id: TaskId
-    gpus: float = 1.0  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
-    cpus: Annotated[int, Meta(ge=0, le=100_000)] = 0
+    gpus: Gpus = 1.0
+    cpus: CpuCount = 0
     prefer: Annotated[list[GpuRef], Meta(max_length=1024)] = []
     strategy: Strategy = Strategy.FIRST_FIT
     tenant: Name | None = None
     priority: Priority | None = None
     priority_class: PriorityClass | None = None
     wait_ms: Millis = 0
-    owner_pid: Annotated[int, Meta(ge=1)] | None = None  # reclaimed when this process dies
+    owner_pid: Pid | None = None  # reclaimed when this process dies
 
 
 class Free(_Msg, tag="FREE", frozen=True):
