@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from gpud.config import Config
+from gpud.core.authority import check_priority, owning_allocation
 from gpud.core.ledger import (
     UNIT,
     Allocation,
@@ -43,32 +44,65 @@ class Allocator:
         self.daemon = daemon
         self.config = config
         specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in daemon.slots]
-        tenants = {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}
-        self.ledger = Ledger(specs, cpus, tenants=tenants, seed=int.from_bytes(os.urandom(4), "big"))
+        self.ledger = Ledger(specs, cpus, tenants=_quotas(config), seed=int.from_bytes(os.urandom(4), "big"),
+                             max_waiters=config.max_allocation_waiters)
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
         except (OSError, sqlite3.Error) as exc:
             raise RuntimeError(f"cannot open the allocation store in {config.state_dir}: {exc}") from None
         self.uids: dict[str, int] = {}  # task id -> uid that allocated it
         self.waiters: dict[str, tuple[Connection, int, int]] = {}  # task id -> (conn, request id, since)
-        for alloc, uid in self.store.load():
+        self._restore()
+
+    def _restore(self) -> None:
+        """Put back what the store holds; a record that cannot be used any more is set aside
+        (kept in the store's set_aside table with the reason), never a reason to stop."""
+        loaded = self.store.load()
+        for task_id, reason in loaded.unreadable:
+            self._set_aside(task_id, f"unreadable record: {reason}")
+        for alloc, uid in loaded.records:
             try:
                 self.ledger.restore(alloc)
-            except ValueError as exc:  # the node shrank: keep the record, say so, go on
-                log.error("allocation_not_restored", task_id=alloc.task_id, reason=str(exc))
+            except ValueError as exc:  # the node shrank, or the record contradicts another
+                self._set_aside(alloc.task_id, str(exc))
                 continue
             self.uids[alloc.task_id] = uid
         if self.uids:
             log.info("allocations_restored", count=len(self.uids), path=self.store.path)
 
+    def _set_aside(self, task_id: str, reason: str) -> None:
+        log.error("allocation_set_aside", task_id=task_id, reason=reason, path=self.store.path,
+                  hint="kept in the set_aside table of the store; gpud runs without it")
+        self.daemon.metrics.node.store_records_set_aside.inc()
+        try:
+            self.store.set_aside(task_id, reason)
+        except sqlite3.Error as exc:
+            log.error("store_failed", task_id=task_id, error=str(exc))
+
+    def reconfigure(self, config: Config) -> None:
+        """Tenants, their quotas and the waiter cap change live; allocations stay as they are."""
+        self.config = config
+        self.ledger.reconfigure(tenants=_quotas(config), max_waiters=config.max_allocation_waiters)
+
+    def session_allocation(self, conn: Connection, named: str | None, gpu: int) -> Allocation | None:
+        """The allocation a new session of ``conn`` on ``gpu`` belongs to (see core.authority)."""
+        if named is not None and (alloc := self.ledger.get(named)) is not None:
+            self._check_owner(conn, named, "attach a session to")
+            return alloc
+        return owning_allocation(self.ledger.allocations(), self.uids, gpu, ancestry(conn.pid), conn.uid)
+
     # --- requests -----------------------------------------------------------
 
     def allocate(self, conn: Connection, msg: p.Allocate, now: int) -> p.Allocated | None:
+        if self.ledger.get(msg.task_id) is not None or msg.task_id in self.waiters:
+            self._check_owner(conn, msg.task_id, "ask for")
         if msg.tenant is not None:
             self._check_member(conn, msg.tenant)
         priority = msg.priority
         if priority is None:
-            priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else 50
+            priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else None
+        check_priority(priority, self.daemon.priority_ceiling(conn), "allocation")
+        priority = 50 if priority is None else priority
         req = Request(
             task_id=msg.task_id, gpus=to_fixed(msg.gpus), cpus=msg.cpus,
             prefer=tuple(self._prefer(ref) for ref in msg.prefer), strategy=msg.strategy, tenant=msg.tenant,
@@ -130,14 +164,17 @@ class Allocator:
         self.carry_out(self.ledger.advance(now), now)
 
     def reap(self, now: int) -> None:
-        """Reclaim allocations whose owner process is gone."""
+        """Reclaim allocations whose owner process is gone; one record's fault skips only it."""
         for alloc in self.ledger.allocations():
-            if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
-                self.store.delete(alloc.task_id)
-                self.uids.pop(alloc.task_id, None)
-                _, effects = self.ledger.release(alloc.task_id, now)
-                log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
-                self.carry_out(effects, now)
+            try:
+                if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
+                    self.store.delete(alloc.task_id)
+                    self.uids.pop(alloc.task_id, None)
+                    _, effects = self.ledger.release(alloc.task_id, now)
+                    log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
+                    self.carry_out(effects, now)
+            except Exception as exc:
+                self.daemon.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
 
     def carry_out(self, effects: list[LedgerEffect], now: int) -> None:
         for e in effects:
@@ -207,6 +244,14 @@ class Allocator:
             return False
         return (not t.uids and not t.gids) or conn.uid in t.uids or conn.gid in t.gids
 
+    def _check_owner(self, conn: Connection, task_id: str, what: str) -> None:
+        """Another uid's task id is refused, never answered with its devices."""
+        owner = self.uids.get(task_id)
+        if owner is None and task_id in self.waiters:
+            owner = self.waiters[task_id][0].uid
+        if owner is not None and owner != conn.uid and not self.daemon.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} belongs to uid {owner}: you may not {what} it")
+
     def _check_member(self, conn: Connection, tenant: str) -> None:
         if tenant in self.config.tenants and not self._member(conn, tenant) and not self.daemon.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"uid {conn.uid} may not allocate as tenant {tenant!r}")
@@ -214,7 +259,8 @@ class Allocator:
     def _check_may_free(self, conn: Connection, alloc: Allocation) -> None:
         if self.daemon.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
             return
-        if alloc.tenant is not None and self._member(conn, alloc.tenant):
+        t = self.config.tenants.get(alloc.tenant or "")
+        if t is not None and (conn.uid in t.uids or conn.gid in t.gids):  # listed members, never "anyone"
             return
         raise Refused(
             p.ErrorCode.PERMISSION_DENIED,
@@ -223,7 +269,13 @@ class Allocator:
         )
 
 
+def _quotas(config: Config) -> dict[str, TenantQuota]:
+    return {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}
+
+
 def _alive(pid: int) -> bool:
+    if not 0 < pid <= p.PID_MAX:  # not a process (a record from elsewhere): nothing to signal
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -231,3 +283,20 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def ancestry(pid: int, depth: int = 64) -> list[int]:
+    """``pid`` and its ancestors, nearest first, as far as /proc shows them (a hardened
+    /proc that hides other users' processes gives just ``pid``: matching falls back to uid)."""
+    chain = [pid]
+    while len(chain) < depth:
+        try:
+            with open(f"/proc/{chain[-1]}/stat", "rb") as f:
+                stat = f.read()
+            parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if parent <= 1 or parent in chain:
+            break
+        chain.append(parent)
+    return chain

@@ -4,6 +4,10 @@ The per-GPU scheduler decides (grant, deny, watchdog); this module remembers
 which ACQUIRE a lease answers, sends LEASE_RESULT, and writes the one log line
 per acquire with its trace (job_id, session_id, utterance_index, stage), its
 status, wait and hold. It never decides anything itself.
+
+Task types are any name a client sends, so metric labels use the name only when
+a policy is configured for it, and ``other`` for the rest: a client sending
+20 000 task types adds no series.
 """
 
 from __future__ import annotations
@@ -67,16 +71,21 @@ class Arbiter:
         self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
 
     def _m(self, rec: LeaseRecord) -> _Children:
-        key = (rec.gpu, rec.terms.task_type)
+        key = (rec.gpu, self.label(rec.terms.task_type))
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = _Children(self.metrics, rec.gpu, rec.terms.task_type)
+            found = self._children[key] = _Children(self.metrics, *key)
         return found
+
+    def label(self, task_type: str) -> str:
+        """A task type as a metric label: configured policies by name, the rest ``other``."""
+        return task_type if task_type in self.policies else "other"
 
     # --- requests -----------------------------------------------------------
 
     def acquire(self, conn: Connection, msg: p.Acquire, sid: int, now: int) -> None:
         slot = self.daemon.slots[self.daemon.gpu_index(msg.gpu)]
+        self.daemon.check_room(conn)
         key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
                msg.mem_estimate)
         terms = self._terms.get(key)
@@ -184,6 +193,7 @@ class Arbiter:
     def set_policies(self, policies: dict[str, LeasePolicy]) -> None:
         self.policies = policies
         self._terms.clear()
+        self._children.clear()
 
     def set_policy(self, msg: p.SetPolicy) -> LeasePolicy:
         base = self.policies.get(msg.task_type) or self.policies["OTHER"]
@@ -196,6 +206,7 @@ class Arbiter:
         )
         self.policies[msg.task_type] = new
         self._terms.clear()
+        self._children.clear()
         return new
 
     # --- bookkeeping ----------------------------------------------------------

@@ -75,8 +75,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admin_group: str = "gpud-admin"  # members may change limits, modes, policies; "" for none
     metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 2**20)] = MAX_FRAME_BYTES
-    # Pushes queued for a client that does not read; past this it is disconnected.
-    outbox_messages: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
+    # Caps on what clients can make the daemon hold (see the README's security model).
+    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024  # lowered to what RLIMIT_NOFILE allows
+    max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600)] = 5.0  # a connection silent this long is closed
+    max_sessions_per_connection: Annotated[int, Meta(ge=1, le=1_000_000)] = 256  # sessions and leases
+    max_lock_queue: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024  # waiting LOCK_REQUESTs per GPU
+    max_allocation_waiters: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
+    # A connection's unsent answers and pushes: above the high-water mark the daemon stops
+    # reading its requests; past the limit (a client that never reads) it is disconnected.
+    outbox_high_water_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**30)] = 2**20
+    outbox_limit_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**31)] = 16 * 2**20
+    # Priorities a non-admin may declare for its sessions, leases and allocations.
+    priority_max: Priority = 50
+    priority_max_uids: dict[str, Priority] = {}  # "1000" = 80: by uid
+    priority_max_groups: dict[str, Priority] = {}  # "inference" = 90: by group name (the highest of the peer's)
     log_level: LogLevel = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
 
@@ -112,6 +125,10 @@ def read_file(path: str | None) -> dict[str, Any]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - FIELDS)
@@ -139,6 +156,9 @@ def build(file_values: dict[str, Any], env_values: dict[str, Any], flag_values: 
     merged = {**file_values, **env_values, **flag_values}
     config = _check(merged, "configuration")
     parse_metrics_addr(config.metrics_addr)
+    bad = [uid for uid in config.priority_max_uids if not uid.isdigit()]
+    if bad:
+        raise ConfigError(f"bad key in priority_max_uids: {bad[0]!r} is not a numeric uid")
     return config
 
 

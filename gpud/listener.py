@@ -1,18 +1,29 @@
-"""The listener and the timers: one task pair per connection, one timer per GPU.
+"""The listener and the timers: one task group per connection, one timer per GPU.
 
-Each connection has a reader task (frames in, ``Daemon.handle``, answers out)
-and a writer task draining its outbox, closed in ``finally``; one timer task
-per GPU sleeps until its scheduler's next deadline or until something changed.
-Readiness is reported with ``task_status.started()``. Peer errors are
-answered and, for a broken frame, the connection closed; any other exception
-is logged with its traceback and closes that one connection only.
+Each connection has a reader task (frames in, ``Daemon.handle``, answers out), a
+writer task draining its outbox and a HELLO deadline, closed in ``finally``; one
+timer task per GPU sleeps until its scheduler's next deadline or until something
+changed. Readiness is reported with ``task_status.started()``.
+
+Containment: peer errors are answered (and, for a broken frame, the connection
+closed); any other exception while handling one client's bytes, exception
+groups included, is logged once with its traceback, counted, and closes that
+one connection. A timer tick or record that cannot be handled is logged,
+counted and skipped. Only an inconsistent scheduler stops the daemon.
+
+Fairness: a connection yields to the others after a few messages or a fraction
+of a millisecond of work, whichever comes first, and stops reading while its
+unsent answers are above the high-water mark; so a client that pipelines
+thousands of requests or never reads delays nobody's LOCK_OK.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -20,7 +31,7 @@ import structlog
 import trio
 
 from gpud.config import Config
-from gpud.core.scheduler import Refused
+from gpud.core.scheduler import Inconsistent, LimitReached, Refused
 from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
 from gpud.server import Connection, Daemon, GpuSlot, now_us
@@ -28,9 +39,12 @@ from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
 _PEERCRED = struct.Struct("3i")
-# Reads that found data are not checkpoints (trio's receive_some yields after each one, a full
-# scheduling round per request): a connection yields every this many reads in a row instead.
-_FAIRNESS_READS = 16
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+# A connection's turn: this many messages (or reads) or this much time, whichever comes first.
+_TURN_MESSAGES = 16
+_TURN_S = 0.0005
+_FLUSH_S = 1.0  # what a closing connection may take to flush its last answers
+_ACCEPT_BACKOFF_S = 0.1  # after accept fails for want of descriptors or memory
 
 
 def peer_credentials(sock: Any) -> tuple[int, int, int]:
@@ -38,88 +52,169 @@ def peer_credentials(sock: Any) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def peer_groups(sock: Any) -> frozenset[int]:
+    """The peer's supplementary groups as the kernel recorded them at connect (no /proc:
+    the shipped unit hides other users' processes)."""
+    for size in (64 * 4, 65536 * 4):
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                continue
+            return frozenset()
+        return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    return frozenset()
+
+
 async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
-    creds = peer_credentials(stream.socket)
-    send, recv = trio.open_memory_channel[bytes](daemon.config.outbox_messages)
-    with trio.CancelScope() as scope:
-        conn = daemon.open(creds, stream.socket.fileno(), send, scope)
+    sock = stream.socket
+    try:
+        creds, groups = peer_credentials(sock), peer_groups(sock)
+    except OSError:
+        return  # gone before we could look
+    refusal = daemon.admission_refusal(creds[1])
+    if refusal is not None:
+        _refuse_connection(daemon, sock.fileno(), creds, *refusal)
+        return
+    with trio.CancelScope() as scope:  # cancelled by Daemon.drop: closed at once
+        conn = daemon.open(creds, groups, sock.fileno(), scope)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_write_loop, conn, stream, recv)
+                nursery.start_soon(_write_loop, daemon, conn, stream)
+                hello_deadline = trio.CancelScope()
+                nursery.start_soon(_expect_hello, daemon, conn, hello_deadline)
                 try:
                     await _read_loop(daemon, conn)
                 finally:
+                    hello_deadline.cancel()
                     daemon.close(conn)
-                    send.close()  # the writer flushes what is queued, then ends
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("connection_failed", client=conn.client_id, pid=conn.pid)
-        finally:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+                    conn.writer_wake.set()  # the writer flushes what is queued, then ends
+                    nursery.cancel_scope.deadline = trio.current_time() + _FLUSH_S
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the peer went away mid-write
+        except* Inconsistent:
+            raise
+        except* Exception as group:
+            daemon.faults.record("connection", group, client=conn.client_id, pid=conn.pid)
 
 
-async def _write_loop(conn: Connection, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel[bytes]) -> None:
-    async with recv:
-        async for data in recv:
-            chunks = [data]
-            while True:  # batch whatever else is already queued into one write
-                try:
-                    chunks.append(recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            conn.queued -= len(chunks)
-            conn.writing = True
-            await stream.send_all(b"".join(chunks) if len(chunks) > 1 else data)
-            conn.writing = False
+def _refuse_connection(daemon: Daemon, fd: int, creds: tuple[int, int, int], cap: str, message: str) -> None:
+    """One best-effort ERROR naming the cap, then the close (in ``_serve_and_close``)."""
+    daemon.metrics.node.connections_refused.labels(cap).inc()
+    daemon.faults.often("connection_refused", pid=creds[0], uid=creds[1], reason=message)
+    try:
+        os.write(fd, daemon.encode(p.Error(id=None, code=p.ErrorCode.LIMIT_REACHED, message=message)))
+    except OSError:
+        pass
+
+
+async def _expect_hello(daemon: Daemon, conn: Connection, scope: trio.CancelScope) -> None:
+    with scope:
+        await trio.sleep(daemon.config.hello_timeout_s)
+        if not conn.greeted:
+            message = f"no HELLO within {daemon.config.hello_timeout_s:g} s (hello_timeout_s): closing"
+            daemon.send_error(conn, None, p.ErrorCode.HELLO_REQUIRED, message)
+            daemon.drop(conn, "no_hello")
+
+
+async def _write_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
+    while True:
+        if not conn.pending:
+            if conn.closing:
+                return
+            conn.writer_wake = trio.Event()
+            await conn.writer_wake.wait()
+            continue
+        data = conn.pending[0] if len(conn.pending) == 1 else b"".join(conn.pending)
+        conn.pending.clear()
+        conn.writing = True
+        await stream.send_all(data)
+        conn.writing = False
+        conn.pending_bytes -= len(data)
+        if conn.pending_bytes <= daemon.config.outbox_high_water_bytes // 2:
+            conn.drained.set()
 
 
 async def _read_loop(daemon: Daemon, conn: Connection) -> None:
     codec = p.daemon_codec()
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
-    counted = daemon.count_message
-    fd, in_a_row = conn.fd, 0
-    while True:
+    fd = conn.fd
+    work, turn_began = 0, time.perf_counter()
+    while not conn.closing:
         try:
             data = os.read(fd, 65536)
         except BlockingIOError:  # all read: sleep until the client writes again
-            in_a_row = 0
             await trio.lowlevel.wait_readable(fd)
+            work, turn_began = 0, time.perf_counter()
             continue
         except OSError:  # reset by the peer: the same as its end of file
             return
         if not data:
             return
-        in_a_row += 1
-        if in_a_row % _FAIRNESS_READS == 0:  # a client that never pauses must not starve the others
-            await trio.lowlevel.checkpoint()
         try:
             payloads = frames.feed(data)
         except p.FrameTooLarge as exc:
-            daemon.send_error(conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
-            log.info("protocol_error", client=conn.client_id, code="frame_too_large", length=exc.length)
+            protocol_error(daemon, conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
             return
-        for payload in payloads:
-            try:
-                msg = codec.decode(payload)
-            except msgspec.MsgspecError as exc:
-                rid, code, message = p.describe_bad_message(payload, exc)
-                daemon.send_error(conn, rid, code, message)
-                log.info("protocol_error", client=conn.client_id, code=str(code), detail=message)
-                if code == p.ErrorCode.BAD_FRAME:
+        for payload in [None, *payloads]:  # None: the read itself is a unit of work
+            if payload is not None:
+                if conn.closing:
                     return
-                continue
-            counted(type(msg))
-            try:
-                answer = daemon.handle(conn, msg)
-            except Refused as exc:
-                daemon.send_error(conn, msg.id, exc.code, exc.message)
-                if exc.code == p.ErrorCode.VERSION:
+                if conn.pending_bytes > daemon.config.outbox_high_water_bytes:
+                    await _wait_drained(conn)  # answers pile up unread: read no more until they go
+                    work, turn_began = 0, time.perf_counter()
+                if not handle_payload(daemon, conn, payload, codec):
                     return
-                continue
-            if answer is not None:
-                daemon.send(conn, answer)
+            work += 1
+            if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
+                await trio.lowlevel.checkpoint()  # a client that never pauses must not starve the others
+                work, turn_began = 0, time.perf_counter()
+
+
+async def _wait_drained(conn: Connection) -> None:
+    conn.drained = trio.Event()
+    await conn.drained.wait()
+
+
+def handle_payload(daemon: Daemon, conn: Connection, payload: bytes, codec: p.Codec) -> bool:
+    """One frame from a client: decode, handle, answer. False: close the connection.
+
+    Whatever goes wrong stays with this connection: a peer's mistake is answered
+    with an Error; an unexpected exception is logged with its traceback, counted,
+    answered with an ``internal`` Error, and closes the connection. A scheduler
+    whose records no longer agree after such a fault stops the daemon."""
+    try:
+        msg = codec.decode(payload)
+    except msgspec.MsgspecError as exc:
+        rid, code, message = p.describe_bad_message(payload, exc)
+        protocol_error(daemon, conn, rid, code, message)
+        return code != p.ErrorCode.BAD_FRAME
+    daemon.count_message(type(msg))
+    try:
+        answer = daemon.handle(conn, msg)
+    except Refused as exc:
+        if isinstance(exc, LimitReached):
+            daemon.metrics.node.limit_refusals.labels(exc.cap).inc()
+        daemon.send_error(conn, msg.id, exc.code, exc.message)
+        return exc.code != p.ErrorCode.VERSION
+    except Exception as exc:
+        tag = msg.__struct_config__.tag
+        daemon.faults.record("request", exc, client=conn.client_id, pid=conn.pid, type=tag)
+        daemon.send_error(conn, msg.id, p.ErrorCode.INTERNAL,
+                          f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)")
+        daemon.check_schedulers()
+        return False
+    if answer is not None:
+        daemon.send(conn, answer)
+    return True
+
+
+def protocol_error(daemon: Daemon, conn: Connection, rid: int | None, code: p.ErrorCode, message: str) -> None:
+    """Answer a peer's mistake; log the first of the connection, count them all."""
+    daemon.send_error(conn, rid, code, message)
+    if not conn.protocol_errors:
+        log.info("protocol_error", client=conn.client_id, pid=conn.pid, code=str(code), detail=message[:200])
+    conn.protocol_errors[str(code)] += 1
 
 
 def _claim_socket_path(path: str) -> None:
@@ -164,26 +259,51 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
                 with trio.move_on_after(delay):
                     await slot.wake.wait()
         now = now_us()
-        daemon.carry_out(slot, slot.scheduler.advance(now), now)
+        daemon.carry_out(slot, slot.scheduler.advance(now), now)  # advance raising: a scheduler bug, fatal
 
 
 async def run_allocator_timer(daemon: Daemon) -> None:
     """Expire allocation waits on time; reclaim allocations of dead owners."""
-    interval = daemon.config.reap_interval_s
-    next_reap = now_us() + round(interval * 1e6) if interval else None
+    next_reap = now_us()
     while True:
         daemon.allocator_wake = trio.Event()
-        times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap) if t is not None]
+        interval = daemon.config.reap_interval_s  # read each time: a reload changes it
+        times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap if interval else None) if t is not None]
         if times:
             with trio.move_on_after(max(0.0, (min(times) - now_us()) / 1e6)):
                 await daemon.allocator_wake.wait()
         else:
             await daemon.allocator_wake.wait()
         now = now_us()
-        daemon.allocator.advance(now)
-        if next_reap is not None and now >= next_reap:
-            daemon.allocator.reap(now)
+        try:
+            daemon.allocator.advance(now)
+            if interval and now >= next_reap:
+                daemon.allocator.reap(now)
+        except Exception as exc:  # the tick is skipped; the next one tries again
+            daemon.faults.record("allocator", exc)
+        if now >= next_reap:
             next_reap = now + round(interval * 1e6)
+
+
+async def accept_loop(daemon: Daemon, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+    """Accept connections for ever. Out of descriptors or memory: the clients already
+    connected go on being served, and accepting resumes once there is room again."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            daemon.metrics.node.connections_refused.labels(errno.errorcode.get(exc.errno or 0, "accept")).inc()
+            daemon.faults.often("accept_failed", error=str(exc))
+            await trio.sleep(_ACCEPT_BACKOFF_S)
+            continue
+        nursery.start_soon(_serve_and_close, daemon, stream)
+
+
+async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream) -> None:
+    try:
+        await serve_connection(daemon, stream)
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 async def serve(
@@ -193,11 +313,7 @@ async def serve(
         for slot in daemon.slots:
             nursery.start_soon(run_timer, daemon, slot)
         nursery.start_soon(run_allocator_timer, daemon)
-        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus), daemon.config.monitor_interval_s)
-
-        async def handler(stream: trio.SocketStream) -> None:
-            await serve_connection(daemon, stream)
-
-        await nursery.start(trio.serve_listeners, handler, [listener])
-        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots))
+        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
+        nursery.start_soon(accept_loop, daemon, listener, nursery)
+        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.max_connections)
         task_status.started()

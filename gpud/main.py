@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 import os
+import resource
 import signal
 import sys
 
@@ -89,6 +90,12 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     gpus = discover(config.simulate)
     registry = CollectorRegistry()
     daemon = Daemon(config, gpus, Metrics(registry))
+    daemon.descriptor_room = descriptor_room()
+    daemon.max_connections = min(config.max_connections, daemon.descriptor_room)
+    if daemon.max_connections < config.max_connections:
+        log.warning("max_connections_lowered", max_connections=daemon.max_connections,
+                    configured=config.max_connections, reason="RLIMIT_NOFILE leaves no room for more")
+    systemd.open_notify_socket()  # now, while descriptors are free: the watchdog must ping even when none are
     start_metrics(config, registry)
     inherited = systemd.listen_fds()
     listener = await open_listener(config, inherited[0] if inherited else None)
@@ -118,6 +125,24 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
                 pass
 
 
+# Descriptors kept for everything but client connections: the store, NVML, the metrics
+# endpoint and its scrapes, worker threads, the listener.
+FD_RESERVE = 64
+
+
+def descriptor_room() -> int:
+    """Raise the soft open-file limit to the hard one; the connections it leaves room for."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return max(1, soft - FD_RESERVE)
+
+
 def _status(daemon: Daemon) -> str:
     sim = " simulated" if any(s.gpu.simulated for s in daemon.slots) else ""
     return f"{len(daemon.slots)}{sim} GPU(s), {len(daemon.connections)} client(s)"
@@ -126,20 +151,33 @@ def _status(daemon: Daemon) -> str:
 async def _watchdog(daemon: Daemon, interval: float) -> None:
     """Pinged from the event loop itself: a hung loop stops the pings and systemd restarts us."""
     while True:
-        systemd.notify(f"WATCHDOG=1\nSTATUS={_status(daemon)}")
+        try:
+            systemd.notify(f"WATCHDOG=1\nSTATUS={_status(daemon)}")
+        except Exception as exc:  # a ping that failed is tried again next time
+            daemon.faults.record("watchdog", exc)
         await trio.sleep(interval)
 
 
 def _reload(daemon: Daemon, reload_config: Callable[[], Config]) -> None:
+    """SIGHUP: a configuration that cannot be read or is invalid changes nothing."""
     systemd.notify("RELOADING=1")
     try:
         config = reload_config()
     except ConfigError as exc:
-        log.error("config_reload_failed", error=str(exc))
+        log.error("config_reload_failed", error=str(exc), kept="the running configuration")
+    except Exception as exc:
+        daemon.faults.record("reload", exc)
     else:
-        changed = daemon.reload(config, now_us())
-        configure_logging(config.log_level, config.log_format)
-        log.info("config_reloaded", changed=changed)
+        try:
+            changed, later = daemon.reload(config, now_us())
+            configure_logging(daemon.config.log_level, daemon.config.log_format)
+        except Exception as exc:
+            daemon.faults.record("reload", exc)
+        else:
+            log.info("config_reloaded", changed=changed)
+            if later:
+                log.warning("config_reload_needs_restart", keys=later,
+                            hint="these keep their running values until gpud restarts")
     systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
 
 

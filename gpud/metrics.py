@@ -93,3 +93,13 @@ class NodeMetrics:
         self.messages = Counter("gpud_messages_total", "Messages received, by type.", ["type"], registry=registry)
         self.protocol_errors = Counter("gpud_protocol_errors_total", "Errors answered, by code.", ["code"],
                                        registry=registry)
+        self.faults = Counter("gpud_faults_total", "Unexpected errors contained (one connection, record or tick).",
+                              ["where"], registry=registry)
+        self.connections_refused = Counter("gpud_connections_refused_total", "Connections refused at accept, by cap.",
+                                           ["reason"], registry=registry)
+        self.connections_dropped = Counter("gpud_connections_dropped_total", "Connections closed by the daemon.",
+                                           ["reason"], registry=registry)
+        self.limit_refusals = Counter("gpud_limit_refusals_total", "Requests refused by a cap, by the cap's name.",
+                                      ["cap"], registry=registry)
+        self.store_records_set_aside = Counter("gpud_store_records_set_aside_total",
+                                               "Stored allocations that could not be restored.", registry=registry)

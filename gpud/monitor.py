@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("gpud.monitor")
 
 
-async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None, interval_s: float) -> None:
+async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None) -> None:
     m = daemon.metrics.node
     for slot in daemon.slots:
         g = slot.gpu
@@ -32,16 +32,22 @@ async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None, interval_s: f
         m.memory_total.labels(g.index).set(g.memory_total_bytes)
         m.gpu_healthy.labels(g.index).set(1)
     while True:
-        readings = await trio.to_thread.run_sync(sampler.sample) if sampler else []
-        apply_readings(daemon, readings)
-        publish(daemon)
-        await trio.sleep(interval_s)
+        try:
+            readings = await trio.to_thread.run_sync(sampler.sample) if sampler else []
+            apply_readings(daemon, readings)
+            publish(daemon)
+        except Exception as exc:  # this sample is skipped; the next one tries again
+            daemon.faults.record("monitor", exc)
+        await trio.sleep(daemon.config.monitor_interval_s)  # read each time: a reload changes it
 
 
 def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
     m = daemon.metrics.node
     now = now_us()
     for r in readings:
+        if not 0 <= r.index < len(daemon.slots):
+            daemon.faults.often("nvml_reading_ignored", gpu=r.index, reason="no such GPU")
+            continue
         slot = daemon.slots[r.index]
         if r.healthy != slot.healthy:
             slot.healthy = r.healthy
@@ -66,6 +72,7 @@ def publish(daemon: Daemon) -> None:
     now = now_us()
     daemon.settle_all(now)
     seen: set[tuple[str, ...]] = set()
+    limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
     for slot in daemon.slots:
         gpu = slot.gpu.index
         view = slot.scheduler.view(now)
@@ -87,11 +94,12 @@ def publish(daemon: Daemon) -> None:
                 m.session_throttled.labels(*labels).set(1 if v.throttled else 0)
                 m.session_memory.labels(*labels).set(v.mem_used or 0)
                 if v.mem_limit is not None:
+                    limited.add(labels)
                     m.session_memory_limit.labels(*labels).set(v.mem_limit)
-    for gauge in (m.session_core_limit, m.session_window_used, m.session_throttled, m.session_memory,
-                  m.session_memory_limit):
-        for labels in list(_label_sets(gauge)):
-            if labels not in seen:
+    for gauge, keep in ((m.session_core_limit, seen), (m.session_window_used, seen), (m.session_throttled, seen),
+                        (m.session_memory, seen), (m.session_memory_limit, limited)):
+        for labels in list(_label_sets(gauge)):  # a session's series go with it
+            if labels not in keep:
                 gauge.remove(*labels)
     m.allocations.set(len(daemon.allocator.ledger.allocations()))
 

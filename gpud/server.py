@@ -6,16 +6,17 @@ clients, metrics, logs) and re-arms the GPU's timer. It only moves bytes,
 reads the clock and carries out what the core decides; the sockets and tasks
 are in ``gpud.listener``.
 
-Pushes go to a connection's outbox, so a push to a slow client never blocks
-anyone else: if its outbox fills up it is disconnected. A message for an idle
-connection (nothing queued, the writer not mid-write) is written straight to
-its non-blocking socket from the task that decided it: a grant reaches the
-next holder without a trip through the scheduler to the writer task.
-Whatever the kernel does not take goes to the outbox, in order.
+Pushes go to a connection's outbox, counted in bytes, so a push to a slow
+client never blocks anyone else: past ``outbox_limit_bytes`` unread it is
+disconnected (logged once). A message for an idle connection (nothing queued,
+the writer not mid-write) is written straight to its non-blocking socket from
+the task that decided it: a grant reaches the next holder without a trip
+through the scheduler to the writer task. Whatever the kernel does not take
+goes to the outbox, in order.
 
-A refused call raises ``Refused`` and is answered with an Error; a crash in a
-GPU timer takes the daemon down (systemd restarts it): it never limps on with
-a scheduler in an unknown state.
+A refused call raises ``Refused`` and is answered with an Error. A fault in
+carrying out one effect is logged, counted and skipped (the others are still
+carried out); only an inconsistent scheduler stops the daemon.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grp
 import itertools
 import os
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +36,14 @@ import trio
 from gpud.allocator import Allocator
 from gpud.arbiter import Arbiter
 from gpud.config import Config
+from gpud.core.authority import PriorityRules, check_priority, fraction_ceilings, priority_ceiling
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, MemOverLimit, Refused, Revoke, SchedulerConfig
+from gpud.core.scheduler import (
+    Drop, Effect, Grant, GpuScheduler, LimitReached, MemOverLimit, Refused, Revoke, SchedulerConfig,
+)
 from gpud.devices import Gpu
+from gpud.faults import Faults
 from gpud.metrics import Metrics
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
@@ -56,17 +62,21 @@ class Connection:
     pid: int
     uid: int
     gid: int
+    groups: frozenset[int]  # supplementary groups, from SO_PEERGROUPS
     fd: int
-    outbox: trio.MemorySendChannel[bytes]
-    cancel: trio.CancelScope
+    cancel: trio.CancelScope  # cancelled to drop the connection at once
     connected_at: int
+    pending: deque[bytes] = field(default_factory=deque)  # bytes the writer task has not sent yet
+    pending_bytes: int = 0  # in ``pending`` and in the writer's hands
     writing: bool = False  # the writer task holds bytes not yet on the socket
-    queued: int = 0  # messages in the outbox the writer task has not taken yet
+    writer_wake: trio.Event = field(default_factory=trio.Event)
+    drained: trio.Event = field(default_factory=trio.Event)
     closing: bool = False
     name: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     greeted: bool = False
-    sessions: dict[int, int] = field(default_factory=dict)  # session -> gpu index
+    sessions: dict[int, int] = field(default_factory=dict)  # session or lease -> gpu index
+    protocol_errors: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(eq=False)
@@ -95,8 +105,13 @@ class Daemon:
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
         self._message_counters: dict[type, Any] = {}
+        self.per_uid: Counter[int] = Counter()  # open connections by peer uid
+        self.descriptor_room = 1_000_000  # connections the open-file limit leaves room for (set at start)
+        self.max_connections = config.max_connections
         self.daemon_uid = os.getuid()
         self.admin_gid = admin_gid(config.admin_group)
+        self.priority_rules = priority_rules(config)
+        self.faults = Faults(metrics)
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
         self.allocator = Allocator(self, config, sorted(os.sched_getaffinity(0)))
         self.allocator_wake = trio.Event()
@@ -110,28 +125,36 @@ class Daemon:
         return self._codec.encode(msg)
 
     def send(self, conn: Connection, msg: msgspec.Struct) -> None:
-        data = self.encode(msg)
         if conn.closing:
             return
-        if not conn.writing and conn.queued == 0:
+        data = self.encode(msg)
+        if not conn.writing and not conn.pending:
             try:
                 sent = os.write(conn.fd, data)
             except BlockingIOError:
                 sent = 0
             except OSError:  # the peer is gone; its reader sees EOF and cleans up
-                conn.closing = True
+                self.drop(conn, "peer_gone")
                 return
             if sent == len(data):
                 return
             data = data[sent:]
-        try:
-            conn.outbox.send_nowait(data)
-            conn.queued += 1
-        except trio.WouldBlock:
-            log.warning("client_too_slow", client=conn.client_id, pid=conn.pid)
-            conn.cancel.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # it is going away; its sessions are detached in its finally
+        if conn.pending_bytes > self.config.outbox_limit_bytes:
+            log.warning("client_too_slow", client=conn.client_id, pid=conn.pid, unread_bytes=conn.pending_bytes,
+                        limit_bytes=self.config.outbox_limit_bytes)
+            self.drop(conn, "too_slow")
+            return
+        conn.pending.append(data)
+        conn.pending_bytes += len(data)
+        conn.writer_wake.set()
+
+    def drop(self, conn: Connection, reason: str) -> None:
+        """Close a connection from outside its own task: once, whatever called it."""
+        if conn.closing:
+            return
+        conn.closing = True
+        conn.cancel.cancel()
+        self.metrics.node.connections_dropped.labels(reason).inc()
 
     def send_error(self, conn: Connection, rid: int | None, code: p.ErrorCode, message: str) -> None:
         self.metrics.node.protocol_errors.labels(str(code)).inc()
@@ -162,68 +185,108 @@ class Daemon:
         """Execute the scheduler's decisions, taken at ``now``, and re-arm its timer."""
         gpu = slot.gpu.index
         for e in effects:
-            if self.arbiter.owns(e.session):
-                self.arbiter.carry_out(slot, e, now)
-                continue
-            owner = self.owners.get(e.session)
-            if owner is None:
-                continue
-            match e:
-                case Grant(session=sid, grant=g, waited_us=waited):
-                    log.debug("lock_granted", gpu=gpu, session=sid, grant=g, client=owner.client_id)
-                    self.metrics.lock_grants.labels(gpu).inc()
-                    self.metrics.node.lock_wait.labels(gpu).observe(waited / 1e6)
-                    self.send(owner, p.LockOk(session=sid, grant=g))
-                case Drop(session=sid, grant=g, reason=r):
-                    log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
-                    if r == p.DropReason.QUOTA:
-                        log.info("session_throttled", gpu=gpu, session=sid, client=owner.client_id, pid=owner.pid)
-                    self.metrics.lock_drops.labels(gpu, str(r)).inc()
-                    self.send(owner, p.DropLock(session=sid, grant=g, reason=r))
-                case Revoke(session=sid, grant=g, reason=r):
-                    log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
-                    self.metrics.lock_revocations.labels(gpu, str(r)).inc()
-                    self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
-                case MemOverLimit(session=sid, used_bytes=used, limit_bytes=limit):
-                    log.warning("memory_limit_exceeded", gpu=gpu, session=sid, pid=owner.pid, used_bytes=used,
-                                limit_bytes=limit)
-                    self.send(owner, p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit))
+            try:
+                self._carry_out_one(slot, e, now)
+            except Exception as exc:  # one effect's fault skips that effect, never the rest
+                self.faults.record("effect", exc, gpu=gpu, effect=type(e).__name__, session=e.session)
         deadline = slot.scheduler.next_deadline()
         if deadline is not None and (slot.armed_for is None or deadline < slot.armed_for):
             slot.wake.set()  # only an earlier deadline needs the timer now; a later one it finds itself
+
+    def _carry_out_one(self, slot: GpuSlot, e: Effect, now: int) -> None:
+        gpu = slot.gpu.index
+        if self.arbiter.owns(e.session):
+            self.arbiter.carry_out(slot, e, now)
+            return
+        owner = self.owners.get(e.session)
+        if owner is None:
+            return
+        match e:
+            case Grant(session=sid, grant=g, waited_us=waited):
+                log.debug("lock_granted", gpu=gpu, session=sid, grant=g, client=owner.client_id)
+                self.metrics.lock_grants.labels(gpu).inc()
+                self.metrics.node.lock_wait.labels(gpu).observe(waited / 1e6)
+                self.send(owner, p.LockOk(session=sid, grant=g))
+            case Drop(session=sid, grant=g, reason=r):
+                log.debug("lock_drop", gpu=gpu, session=sid, grant=g, reason=str(r))
+                if r == p.DropReason.QUOTA:
+                    log.info("session_throttled", gpu=gpu, session=sid, client=owner.client_id, pid=owner.pid)
+                self.metrics.lock_drops.labels(gpu, str(r)).inc()
+                self.send(owner, p.DropLock(session=sid, grant=g, reason=r))
+            case Revoke(session=sid, grant=g, reason=r):
+                log.warning("lock_revoked", gpu=gpu, session=sid, grant=g, reason=str(r), pid=owner.pid)
+                self.metrics.lock_revocations.labels(gpu, str(r)).inc()
+                self.send(owner, p.Revoked(session=sid, grant=g, reason=r))
+            case MemOverLimit(session=sid, used_bytes=used, limit_bytes=limit):
+                log.warning("memory_limit_exceeded", gpu=gpu, session=sid, pid=owner.pid, used_bytes=used,
+                            limit_bytes=limit)
+                self.send(owner, p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit))
 
     def is_admin(self, conn: Connection) -> bool:
         """uid 0, the daemon's own uid, or a member of ``admin_group``."""
         if conn.uid == 0 or conn.uid == self.daemon_uid:
             return True
         gid = self.admin_gid
-        return gid is not None and (conn.gid == gid or gid in peer_groups(conn.pid))
+        return gid is not None and (conn.gid == gid or gid in conn.groups)
+
+    def priority_ceiling(self, conn: Connection) -> int:
+        return priority_ceiling(self.priority_rules, conn.uid, conn.groups | {conn.gid}, admin=self.is_admin(conn))
 
     # --- connection lifetime --------------------------------------------------
 
+    def admission_refusal(self, uid: int) -> tuple[str, str] | None:
+        """(cap, message) when a new connection from ``uid`` is refused, else None."""
+        if len(self.connections) >= self.max_connections:
+            return "max_connections", (
+                f"gpud serves at most {self.max_connections} connections (max_connections); try again later"
+            )
+        cap = self.config.max_connections_per_uid
+        if self.per_uid[uid] >= cap:
+            return "max_connections_per_uid", (
+                f"uid {uid} has {cap} connections open, the most allowed (max_connections_per_uid)"
+            )
+        return None
+
+    def check_schedulers(self) -> None:
+        """After a fault: stop (raise ``Inconsistent``) if a scheduler's records disagree."""
+        for slot in self.slots:
+            slot.scheduler.check()
+
     def open(
-        self, creds: tuple[int, int, int], fd: int, outbox: trio.MemorySendChannel[bytes], cancel: trio.CancelScope
+        self, creds: tuple[int, int, int], groups: frozenset[int], fd: int, cancel: trio.CancelScope
     ) -> Connection:
         pid, uid, gid = creds
-        conn = Connection(next(self._client_ids), pid, uid, gid, fd, outbox, cancel, now_us())
+        conn = Connection(next(self._client_ids), pid, uid, gid, groups, fd, cancel, now_us())
         self.connections[conn.client_id] = conn
+        self.per_uid[uid] += 1
         self.metrics.node.clients.set(len(self.connections))
         return conn
 
     def close(self, conn: Connection) -> None:
-        """Everything the connection held or queued is freed at once."""
+        """Everything the connection held or queued is freed at once; a fault in
+        one part of the cleanup does not keep the rest from running."""
         conn.closing = True
-        self.connections.pop(conn.client_id, None)
+        if self.connections.pop(conn.client_id, None) is not None:
+            self.per_uid[conn.uid] -= 1
+            if self.per_uid[conn.uid] <= 0:
+                del self.per_uid[conn.uid]
         self.metrics.node.clients.set(len(self.connections))
         now = now_us()
         for sid, gpu in list(conn.sessions.items()):
             slot = self.slots[gpu]
-            effects = slot.scheduler.detach(sid, now)
             self.owners.pop(sid, None)
-            self.carry_out(slot, effects, now)
-        self.arbiter.connection_closed(conn, now)
-        self.allocator.connection_closed(conn, now)
+            try:
+                self.carry_out(slot, slot.scheduler.detach(sid, now), now)
+            except Refused:
+                pass  # already gone from the scheduler
+        for part in (self.arbiter, self.allocator):
+            try:
+                part.connection_closed(conn, now)
+            except Exception as exc:
+                self.faults.record("close", exc, client=conn.client_id, part=type(part).__name__)
         conn.sessions.clear()
+        if sum(conn.protocol_errors.values()) > 1:  # the first was logged when it came
+            log.info("protocol_errors", client=conn.client_id, pid=conn.pid, counts=dict(conn.protocol_errors))
         if conn.greeted:
             log.info("client_detached", client=conn.client_id, pid=conn.pid, name=conn.name)
 
@@ -294,7 +357,7 @@ class Daemon:
                 return p.Ok(id=msg.id)
             case p.ReportOom(gpu=ref, task_type=task):
                 gpu = self.gpu_index(ref)
-                self.metrics.oom.labels(gpu, task).inc()
+                self.metrics.oom.labels(gpu, self.arbiter.label(task)).inc()
                 log.info("gpu_oom_reported", gpu=gpu, task_type=task, pid=conn.pid, client=conn.client_id)
                 return p.Ok(id=msg.id)
             case p.ListLeases():
@@ -334,10 +397,18 @@ class Daemon:
                 self.send(conn, p.Goodbye(reason=reason))
         self.allocator.store.close()
 
-    def reload(self, config: Config, now: int) -> list[str]:
-        """Apply what can change live; the names of the keys that changed."""
-        old, self.config = self.config, config
+    def reload(self, config: Config, now: int) -> tuple[list[str], list[str]]:
+        """Apply what can change live: (keys changed now, keys whose change waits for a restart).
+        The latter keep their running values, so the daemon's config is always what is in force."""
+        old = self.config
         changed = [k for k in config.__struct_fields__ if getattr(old, k) != getattr(config, k)]
+        later = [k for k in changed if k in RESTART_KEYS]
+        config = msgspec.structs.replace(config, **{k: getattr(old, k) for k in later})
+        self.config = config
+        self.admin_gid = admin_gid(config.admin_group)
+        self.priority_rules = priority_rules(config)
+        self.max_connections = min(config.max_connections, self.descriptor_room)
+        self.allocator.reconfigure(config)
         for slot in self.slots:
             new = scheduler_config(config, slot.gpu)
             sched = slot.scheduler
@@ -347,7 +418,7 @@ class Daemon:
                 self.carry_out(slot, sched.set_mode(new.mode, now), now)
             self.carry_out(slot, sched.reconfigure(new, now), now)
         self.arbiter.set_policies(config.lease_policies())
-        return changed
+        return [k for k in changed if k not in later], later
 
     def settle_all(self, now: int) -> None:
         """Bring every account up to ``now`` before reporting figures."""
@@ -356,28 +427,35 @@ class Daemon:
 
     def attach(self, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
         slot = self.slots[self.gpu_index(msg.gpu)]
+        self.check_room(conn)
+        check_priority(msg.priority, self.priority_ceiling(conn), "session")
+        # A fractional allocation of the session's task (named, or matched by process or uid)
+        # caps its limits: the caps are ceilings the client cannot lift later.
+        alloc = self.allocator.session_allocation(conn, msg.task_id or conn.labels.get("task_id"), slot.gpu.index)
+        core_ceiling, mem_ceiling = fraction_ceilings(alloc, slot.gpu.index, slot.gpu.memory_total_bytes)
         sid = next(self._session_ids)
-        core_limit, mem_limit = msg.core_limit, msg.mem_limit
-        task_id = msg.task_id or conn.labels.get("task_id")
-        if task_id:  # a fractional allocation of the task is enforced on its sessions
-            core_limit, mem_limit = self.allocator.ledger.session_limits(
-                task_id, slot.gpu.index, slot.gpu.memory_total_bytes, core_limit, mem_limit
-            )
-            msg = msgspec.structs.replace(msg, core_limit=core_limit, mem_limit=mem_limit)
         effects = slot.scheduler.attach(
-            sid, now, priority=msg.priority, core_limit=core_limit, mem_estimate=msg.mem_estimate, mem_limit=mem_limit,
+            sid, now, priority=msg.priority, core_limit=msg.core_limit, mem_estimate=msg.mem_estimate,
+            mem_limit=msg.mem_limit, core_ceiling=core_ceiling, mem_ceiling=mem_ceiling,
         )
         conn.sessions[sid] = slot.gpu.index
         self.owners[sid] = conn
         self.carry_out(slot, effects, now)
+        v = slot.scheduler.session(sid, now)
         log.info(
-            "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index,
-            core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, priority=msg.priority,
+            "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index, core_limit=v.core_limit,
+            mem_limit_bytes=v.mem_limit, priority=msg.priority, task_id=alloc.task_id if alloc else None,
         )
         return p.Attached(
             id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled,
-            core_limit=msg.core_limit, mem_limit=msg.mem_limit, memory_total_bytes=slot.gpu.memory_total_bytes,
+            core_limit=v.core_limit, mem_limit=v.mem_limit, memory_total_bytes=slot.gpu.memory_total_bytes,
         )
+
+    def check_room(self, conn: Connection) -> None:
+        """Refuse one more session or lease on a connection that has its cap of them."""
+        cap = self.config.max_sessions_per_connection
+        if len(conn.sessions) >= cap:
+            raise LimitReached("max_sessions_per_connection", f"this connection has {cap} sessions and leases open")
 
     def find_client(self, ref: int | str) -> Connection:
         if isinstance(ref, int):
@@ -407,9 +485,15 @@ class Daemon:
         ]
         if not chosen:
             raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
-        for sid, g in chosen:  # ranges were checked by the decoder: nothing below can refuse
+        admin = self.is_admin(conn)
+        if not admin:  # every chosen session is checked before any changes: all or nothing
+            for sid, g in chosen:
+                self.slots[g].scheduler.check_limits(sid, core_limit=msg.core_limit, mem_limit=msg.mem_limit)
+        for sid, g in chosen:
             slot = self.slots[g]
-            effects = slot.scheduler.set_limits(sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit)
+            effects = slot.scheduler.set_limits(
+                sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit, authority=admin
+            )
             self.carry_out(slot, effects, now)
             v = slot.scheduler.session(sid, now)
             self.send(target, p.LimitsChanged(session=sid, core_limit=v.core_limit, mem_limit=v.mem_limit))
@@ -467,6 +551,10 @@ class Daemon:
             )
 
 
+# What only a restart can change: sockets, devices, the store, the metrics endpoint.
+RESTART_KEYS = frozenset({"socket", "socket_mode", "simulate", "state_dir", "state_sync", "metrics_addr"})
+
+
 def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
     return SchedulerConfig(
         tq_us=round(config.tq_s * 1e6),
@@ -475,6 +563,7 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
         memory_total_bytes=gpu.memory_total_bytes,
         memory_reserve_percent=config.memory_reserve_percent,
         lease_force_release=config.lease_force_release,
+        max_queue=config.max_lock_queue,
         quota=QuotaConfig(
             window_us=round(config.compute_window_s * 1e6),
             carryover_percent=config.quota_carryover_percent,
@@ -485,25 +574,21 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
     )
 
 
-
-
 def admin_gid(name: str) -> int | None:
-    if not name:
-        return None
+    return group_id(name) if name else None
+
+
+def group_id(name: str) -> int | None:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        log.info("admin_group_missing", group=name)
+        log.info("group_missing", group=name)
         return None
 
 
-def peer_groups(pid: int) -> set[int]:
-    """The peer's supplementary groups, read from /proc when it is needed."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
+def priority_rules(config: Config) -> PriorityRules:
+    by_gid = {gid: cap for name, cap in config.priority_max_groups.items() if (gid := group_id(name)) is not None}
+    return PriorityRules(
+        default_max=config.priority_max, by_uid={int(u): cap for u, cap in config.priority_max_uids.items()},
+        by_gid=by_gid,
+    )

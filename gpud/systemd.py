@@ -15,6 +15,19 @@ from collections.abc import Mapping
 SD_LISTEN_FDS_START = 3
 
 
+_notify_socket: socket.socket | None = None  # opened once, so pings need no new descriptor
+
+
+def open_notify_socket() -> None:
+    """Open the datagram socket ``notify`` uses, while descriptors are free."""
+    global _notify_socket
+    if _notify_socket is None:
+        try:
+            _notify_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        except OSError:
+            pass
+
+
 def notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
     """Send one sd_notify message; False when there is no notify socket."""
     env = os.environ if environ is None else environ
@@ -22,11 +35,14 @@ def notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
     if not path:
         return False
     address = "\0" + path[1:] if path.startswith("@") else path
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        try:
+    try:
+        if _notify_socket is not None:
+            _notify_socket.sendto(message.encode(), address)
+            return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
             s.sendto(message.encode(), address)
-        except OSError:
-            return False
+    except OSError:
+        return False
     return True
 
 

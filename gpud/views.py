@@ -107,6 +107,8 @@ def clients_reply(daemon: Daemon, rid: int, now: int) -> p.ClientsReply:
                     mem_used_bytes=v.mem_used,
                     mem_limit_bytes=v.mem_limit,
                     mem_violations=v.mem_violations,
+                    core_ceiling=v.core_ceiling,
+                    mem_ceiling_bytes=v.mem_ceiling,
                 )
             )
         out.append(

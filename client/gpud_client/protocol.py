@@ -641,6 +641,8 @@ class SessionInfo(Struct, frozen=True, kw_only=True):
     mem_used_bytes: int | None
     mem_limit_bytes: int | None
     mem_violations: int
+    core_ceiling: int = 100  # set by an admin or a fractional allocation: the session cannot go above
+    mem_ceiling_bytes: int | None = None
 
 
 class ClientInfo(Struct, frozen=True, kw_only=True):
@@ -743,7 +745,11 @@ class Codec:
         return frame(self._enc.encode(msg))
 
     def decode(self, payload: bytes) -> Any:
-        return self._dec.decode(payload)
+        """One message; msgspec's errors, also for a message nested too deeply to read."""
+        try:
+            return self._dec.decode(payload)
+        except RecursionError:
+            raise msgspec.DecodeError("message nested too deeply") from None
 
 
 def client_codec() -> Codec:
@@ -763,7 +769,7 @@ def describe_bad_message(payload: bytes, exc: msgspec.MsgspecError) -> tuple[int
     """
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None, ErrorCode.BAD_FRAME, f"not a msgpack message: {exc}"
     if not isinstance(raw, dict):
         return None, ErrorCode.INVALID, f"a message must be a map with a 'type' field, got {type(raw).__name__}"

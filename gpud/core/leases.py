@@ -3,6 +3,10 @@
 Rules kept here:
 - Any field a request leaves out comes from its task type's policy, and what
   the policy leaves out from the node defaults (queue_limit 8, hold_max 8 s).
+- Terms a request sends may only tighten its policy, never loosen it: a lower
+  priority, a shorter max_wait or hold_max, a smaller queue_limit are taken;
+  anything above the policy's value is cut to it. The busy policy is the
+  caller's choice (it changes only what the caller itself is answered).
   Any task type name is allowed; an unknown one gets the OTHER policy.
 - The answer to a lease that does not get the GPU follows its busy policy:
   FALLBACK_CPU answers FALLBACK_CPU, SKIP and WAIT answer SKIPPED; the reason
@@ -69,13 +73,17 @@ def resolve_terms(
     policy = policies.get(task_type) or policies.get("OTHER") or DEFAULT_POLICIES["OTHER"]
     return LeaseTerms(
         task_type=task_type,
-        priority=policy.priority if priority is None else priority,
+        priority=_tighter(priority, policy.priority),
         busy_policy=policy.busy_policy if busy_policy is None else busy_policy,
-        max_wait_ms=policy.max_wait_ms if max_wait_ms is None else max_wait_ms,
-        queue_limit=_first(queue_limit, policy.queue_limit, default_queue_limit),
-        hold_max_ms=_first(hold_max_ms, policy.hold_max_ms, default_hold_max_ms),
+        max_wait_ms=_tighter(max_wait_ms, policy.max_wait_ms),
+        queue_limit=_tighter(queue_limit, _first(policy.queue_limit, default_queue_limit)),
+        hold_max_ms=_tighter(hold_max_ms, _first(policy.hold_max_ms, default_hold_max_ms)),
         mem_estimate=mem_estimate,
     )
+
+
+def _tighter(asked: int | None, policy: int) -> int:
+    return policy if asked is None else min(asked, policy)
 
 
 def refusal_status(busy_policy: BusyPolicy) -> LeaseStatus:

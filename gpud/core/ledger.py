@@ -15,7 +15,10 @@ Rules kept here:
   tenants, up to its borrow bound.
 - Not enough now: ``Insufficient`` naming what was short, or, with a wait, a
   place in a queue served in priority order (FIFO within a priority), each
-  waiter granted as soon as it fits, until its deadline.
+  waiter granted as soon as it fits, until its deadline. At most
+  ``max_waiters`` wait at once; one more that would wait is refused.
+- A restored record must fit the node as it is now and the other records,
+  with sane values, or it is refused (the shell sets it aside).
 
 A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
 (the node is too full) and changes nothing. Pure: no clock, no storage; time
@@ -29,7 +32,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gpud.core.scheduler import Refused
+from gpud.core.scheduler import LimitReached, Refused
 from gpud_client.protocol import ErrorCode, Strategy
 
 UNIT = 10_000  # one GPU
@@ -137,6 +140,7 @@ class Ledger:
         cpu_numa: dict[int, int] | None = None,
         tenants: dict[str, TenantQuota] | None = None,
         seed: int = 0,
+        max_waiters: int = 256,
     ) -> None:
         self._gpus = {g.index: _Gpu(g) for g in gpus}
         self._cpus = sorted(cpus)
@@ -149,6 +153,7 @@ class Ledger:
         self._seq = itertools.count()
         self._rng = random.Random(seed)
         self._rr_last = -1
+        self._max_waiters = max_waiters
 
     # --- calls ------------------------------------------------------------
 
@@ -167,6 +172,10 @@ class Ledger:
         except Insufficient as short:
             if req.wait_us <= 0:
                 raise
+            if len(self._waiting) >= self._max_waiters:
+                raise LimitReached(
+                    "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
+                ) from None
             self._waiting[req.task_id] = _Waiter(req, now + req.wait_us, short)
             self._waiters.append((-req.priority, next(self._seq), req.task_id))
             self._waiters.sort()
@@ -185,13 +194,26 @@ class Ledger:
         return alloc, self._serve(now)
 
     def restore(self, alloc: Allocation) -> None:
-        """Put back an allocation read from the store at start-up."""
+        """Put back an allocation read from the store at start-up (ValueError: it cannot be)."""
+        if alloc.task_id in self._allocs:
+            raise ValueError(f"stored allocation of {alloc.task_id!r} is there twice")
+        if not (0 < alloc.share <= UNIT if alloc.gpus else alloc.share == 0) or len(set(alloc.gpus)) != len(alloc.gpus):
+            raise ValueError(f"stored allocation of {alloc.task_id!r} has share {alloc.share} of GPUs {alloc.gpus}")
+        if len(alloc.gpus) > 1 and alloc.share != UNIT:
+            raise ValueError(f"stored allocation of {alloc.task_id!r} splits a fraction over several GPUs")
+        if len(set(alloc.cpus)) != len(alloc.cpus) or not 0 <= alloc.priority <= 100:
+            raise ValueError(f"stored allocation of {alloc.task_id!r} has repeated CPU cores or priority {alloc.priority}")
         for g in alloc.gpus:
             if g not in self._gpus or self._gpus[g].free < alloc.share:
                 raise ValueError(f"stored allocation of {alloc.task_id!r} does not fit GPU {g} any more")
         if not set(alloc.cpus) <= self._free_cpus:
             raise ValueError(f"stored allocation of {alloc.task_id!r} uses CPU cores that are not free")
         self._commit(alloc)
+
+    def reconfigure(self, *, tenants: dict[str, TenantQuota], max_waiters: int) -> None:
+        """New tenant quotas and waiter cap (a reload): they apply to requests from now on."""
+        self._tenants = dict(tenants)
+        self._max_waiters = max_waiters
 
     def advance(self, now: int) -> list[LedgerEffect]:
         """Expire waiters whose deadline passed."""
@@ -215,19 +237,6 @@ class Ledger:
 
     def waiting(self) -> list[Request]:
         return [self._waiting[t].request for _, _, t in self._waiters]
-
-    def session_limits(
-        self, task_id: str, gpu: int, memory_total: int, core_limit: int, mem_limit: int | None
-    ) -> tuple[int, int | None]:
-        """The limits of a session of ``task_id`` on ``gpu``: a fractional
-        allocation there caps them at share x 100 % and share x memory,
-        unless the session asked for less. Otherwise they are as asked."""
-        alloc = self._allocs.get(task_id)
-        if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
-            return core_limit, mem_limit
-        core_cap = max(1, alloc.share * 100 // UNIT)
-        mem_cap = memory_total * alloc.share // UNIT
-        return min(core_limit, core_cap), mem_cap if mem_limit is None else min(mem_limit, mem_cap)
 
     def gpu_free(self, index: int) -> int:
         return self._gpus[index].free

@@ -187,6 +187,9 @@ class ComputeAccounts:
     def account(self, sid: int) -> Account:
         return self._acc[sid]
 
+    def has(self, sid: int) -> bool:
+        return sid in self._acc
+
     def is_limited(self, sid: int) -> bool:
         return sid in self._limited
 

@@ -23,6 +23,12 @@ Rules kept here:
 - Scheduler off (SCHED_OFF): every request is granted at once, the queue is
   emptied, nothing is dropped or throttled; accounting still runs.
 - Detaching (a closed connection) frees the lock and the queue place at once.
+- Ceilings: a limit set with authority (an admin, or a fractional allocation at
+  attach) is also the session's ceiling; the session may lower its own limits and
+  raise them back up to the ceiling, never above, and may not lift a memory
+  ceiling. An admin's new limit is the new ceiling.
+- At most ``max_queue`` lock requests wait per GPU (leases have their own
+  ``queue_limit``); one more is refused.
 - Leases (GpuArbiter) share the queue, the modes and memory admission; they
   are never dropped (no TQ, no quota, no preemption, no memory drops). One
   that cannot have the GPU at once is refused on arrival when its max_wait is
@@ -53,6 +59,8 @@ __all__ = [
     "GpuScheduler",
     "Grant",
     "HoldOverdue",
+    "Inconsistent",
+    "LimitReached",
     "LeaseDenied",
     "MemOverLimit",
     "Refused",
@@ -109,6 +117,10 @@ class HoldOverdue:
 Effect = Grant | Drop | Revoke | MemOverLimit | LeaseDenied | HoldOverdue
 
 
+class Inconsistent(Exception):
+    """The scheduler's records contradict each other: a bug; the daemon must stop."""
+
+
 class Refused(Exception):
     """A well-formed call the rules do not allow. Nothing was changed."""
 
@@ -116,6 +128,14 @@ class Refused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class LimitReached(Refused):
+    """Refused by one of the daemon's caps, named by its configuration key."""
+
+    def __init__(self, cap: str, message: str) -> None:
+        super().__init__(ErrorCode.LIMIT_REACHED, f"{message} ({cap})")
+        self.cap = cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +147,7 @@ class SchedulerConfig:
     memory_reserve_percent: int = 10
     quota: QuotaConfig = QuotaConfig()
     lease_force_release: bool = False
+    max_queue: int = 1024  # waiting lock requests per GPU
 
 
 @dataclass(slots=True)
@@ -136,6 +157,8 @@ class _Session:
     mem_estimate: int | None = None
     mem_used: int | None = None
     mem_limit: int | None = None
+    core_ceiling: int = 100
+    mem_ceiling: int | None = None
     mem_over: bool = False
     lease: bool = False
     wait_deadline: int | None = None  # a waiting lease's max_wait
@@ -185,11 +208,21 @@ class GpuScheduler:
         core_limit: int = 100,
         mem_estimate: int | None = None,
         mem_limit: int | None = None,
+        core_ceiling: int = 100,
+        mem_ceiling: int | None = None,
     ) -> list[Effect]:
+        """Attach a session; the ceilings bound what it may later set itself."""
         if session in self._sessions:
             raise Refused(ErrorCode.INVALID, f"session {session} is already attached")
         _check_limit(core_limit)
-        self._sessions[session] = _Session(session, priority, mem_estimate=mem_estimate, mem_limit=mem_limit)
+        _check_limit(core_ceiling)
+        core_limit = min(core_limit, core_ceiling)
+        if mem_ceiling is not None:
+            mem_limit = mem_ceiling if mem_limit is None else min(mem_limit, mem_ceiling)
+        self._sessions[session] = _Session(
+            session, priority, mem_estimate=mem_estimate, mem_limit=mem_limit, core_ceiling=core_ceiling,
+            mem_ceiling=mem_ceiling,
+        )
         self._acc.add(session, core_limit, now)
         return self._settle(now)
 
@@ -201,6 +234,8 @@ class GpuScheduler:
         s = self._get_session(session)
         if s.state != "idle":
             raise Refused(ErrorCode.ALREADY_REQUESTED, f"session {session} is already {s.state}")
+        if len(self._queue) >= self._cfg.max_queue:
+            raise LimitReached("max_lock_queue", f"{len(self._queue)} requests already wait for this GPU, the most allowed")
         s.state = "waiting"
         s.requested_at = now
         bisect.insort(self._queue, (-s.priority, next(self._seq), s.id))
@@ -249,19 +284,51 @@ class GpuScheduler:
         return self.detach(lease, now)
 
     def set_limits(
-        self, session: int, now: int, *, core_limit: int | None = None, mem_limit: int | None = None
+        self,
+        session: int,
+        now: int,
+        *,
+        core_limit: int | None = None,
+        mem_limit: int | None = None,
+        authority: bool = False,
     ) -> list[Effect]:
-        """Change limits at run time; the window's use is kept."""
+        """Change limits at run time; the window's use is kept. With ``authority``
+        (an admin) the new limits are also the new ceilings; without, they must
+        stay under the ceilings. A mem_limit of 0 lifts the limit."""
         s = self._get_session(session)
         if core_limit is not None:
             _check_limit(core_limit)
+        if not authority:
+            self.check_limits(session, core_limit=core_limit, mem_limit=mem_limit)
+        if core_limit is not None:
             self._acc.set_limit(session, core_limit, now)
+            if authority:
+                s.core_ceiling = core_limit
         effects: list[Effect] = []
         if mem_limit is not None:
             s.mem_limit = mem_limit or None  # 0 lifts the limit
+            if authority:
+                s.mem_ceiling = s.mem_limit
             s.mem_over = False  # a new limit is reported afresh
             self._check_memory_limit(s, effects)
         return effects + self._settle(now)
+
+    def check_limits(self, session: int, *, core_limit: int | None = None, mem_limit: int | None = None) -> None:
+        """Refuse limits the session may not set itself (above its ceilings); changes nothing."""
+        s = self._get_session(session)
+        if core_limit is not None and core_limit > s.core_ceiling:
+            raise Refused(
+                ErrorCode.PERMISSION_DENIED,
+                f"core limit {core_limit} % is above session {s.id}'s ceiling of {s.core_ceiling} % "
+                "(set by an admin or its fractional allocation)",
+            )
+        if mem_limit is not None and s.mem_ceiling is not None and (mem_limit == 0 or mem_limit > s.mem_ceiling):
+            asked = "lifting the memory limit" if mem_limit == 0 else f"memory limit {mem_limit} bytes"
+            raise Refused(
+                ErrorCode.PERMISSION_DENIED,
+                f"{asked} is above session {s.id}'s ceiling of {s.mem_ceiling} bytes "
+                "(set by an admin or its fractional allocation)",
+            )
 
     def report_memory(self, session: int, used_bytes: int, now: int) -> list[Effect]:
         s = self._get(session)
@@ -365,6 +432,8 @@ class GpuScheduler:
             mem_estimate=s.mem_estimate,
             mem_used=s.mem_used,
             mem_limit=s.mem_limit,
+            core_ceiling=s.core_ceiling,
+            mem_ceiling=s.mem_ceiling,
             mem_violations=s.mem_violations,
             last_hold_us=s.last_hold_us,
             last_drop_to_release_us=s.last_drop_to_release_us,
@@ -392,6 +461,26 @@ class GpuScheduler:
             drops=dict(self._drops),
             revocations=self._revocations,
         )
+
+    def check(self) -> None:
+        """Raise ``Inconsistent`` if the scheduler's own records disagree (after a fault)."""
+        queued = [sid for _, _, sid in self._queue]
+        problems = []
+        if len(queued) != len(set(queued)):
+            problems.append("a session is queued twice")
+        for sid in queued:
+            if self._sessions.get(sid) is None or self._sessions[sid].state != "waiting":
+                problems.append(f"queued session {sid} is not a waiting session")
+        for sid, s in self._running.items():
+            if self._sessions.get(sid) is not s or s.state != "holding":
+                problems.append(f"running session {sid} is not a holding session")
+        for sid, s in self._sessions.items():
+            if (s.state == "holding") != (sid in self._running) or (s.state == "waiting") != (sid in set(queued)):
+                problems.append(f"session {sid} is {s.state} but not where that state belongs")
+            if not self._acc.has(sid):
+                problems.append(f"session {sid} has no compute account")
+        if problems:
+            raise Inconsistent("; ".join(problems[:5]))
 
     # --- rules ------------------------------------------------------------
 

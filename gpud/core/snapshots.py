@@ -46,6 +46,8 @@ class SessionView:
     mem_estimate: int | None
     mem_used: int | None
     mem_limit: int | None
+    core_ceiling: int
+    mem_ceiling: int | None
     mem_violations: int
     last_hold_us: int  # the most recent hold, for metrics
     last_drop_to_release_us: int | None  # how long that hold's DROP_LOCK took to be answered

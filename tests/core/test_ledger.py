@@ -233,18 +233,6 @@ def test_random_sequences_never_over_allocate(steps: list[tuple[bool, int, int, 
         assert len(used) + len(led.cpus_free()) == 6
 
 
-def test_a_fractional_allocation_caps_its_sessions_unless_they_ask_for_less() -> None:
-    led = node()
-    led.allocate(req("ray-7", 0.25, prefer=(1,)), 0)
-    led.allocate(req("whole", 1), 0)
-    gib = 2**30
-    assert led.session_limits("ray-7", 1, 16 * gib, 100, None) == (25, 4 * gib)
-    assert led.session_limits("ray-7", 1, 16 * gib, 10, gib) == (10, gib)  # it asked for less
-    assert led.session_limits("ray-7", 0, 16 * gib, 100, None) == (100, None)  # another GPU
-    assert led.session_limits("whole", 0, 16 * gib, 100, None) == (100, None)  # whole GPUs are not capped
-    assert led.session_limits("nobody", 1, 16 * gib, 60, None) == (60, None)
-
-
 def test_gpus_are_converted_to_fixed_point_exactly() -> None:
     from gpud.core.ledger import to_fixed
 

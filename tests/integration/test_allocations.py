@@ -139,10 +139,10 @@ def test_allocations_of_dead_owners_are_reclaimed(daemon_factory: Callable[..., 
 def test_a_fractional_allocation_is_enforced_on_its_sessions(daemon: DaemonProcess) -> None:
     with Client(daemon.socket, name="ray-task") as c:
         a = c.allocate("ray-task-7", gpus=0.25)
-        s = c.session(a.gpus[0])  # no task id: no limits
-        assert (s.core_limit, s.mem_limit) == (100, None)
-        bridged = c.session(a.gpus[0], framework_hooks=False)
-        bridged.close()
+        s = c.session(a.gpus[0])  # no task id: matched by the allocating uid all the same
+        assert (s.core_limit, s.mem_limit) == (25, 16 * 2**30 // 4)
+        other_gpu = c.session(1 - a.gpus[0], framework_hooks=False)  # nothing allocated there: no limits
+        assert (other_gpu.core_limit, other_gpu.mem_limit) == (100, None)
         t = c.call(p.Attach(id=0, gpu=a.gpus[0], task_id="ray-task-7"))
         assert (t.core_limit, t.mem_limit) == (25, 16 * 2**30 // 4)
         lower = c.call(p.Attach(id=0, gpu=a.gpus[0], task_id="ray-task-7", core_limit=10, mem_limit=2**30))
@@ -156,7 +156,7 @@ def test_a_fractional_allocation_is_enforced_on_its_sessions(daemon: DaemonProce
     ("args", "needle"),
     [
         (["--gpus", "0"], "0 GPUs and 0 CPU cores"),
-        (["--gpus=-1"], "positive"),
+        (["--gpus=-1"], "`float` >= 0.0 - at `$.gpus`"),
         (["--gpus", "1.5"], "1.5 GPUs"),
         (["--gpus", "3"], "this node has 2"),
         (["--gpus", "1", "--cpus", "100000"], "CPU cores asked"),

@@ -1,0 +1,77 @@
+"""Who may ask for what: priority ceilings, and which allocation a session belongs to.
+
+Rules kept here:
+- An admin (uid 0, the daemon's uid, the admin group) may declare any priority.
+  Anyone else may declare at most the maximum configured for its uid, else the
+  highest maximum of its groups, else the node's ``priority_max``. A declared
+  priority above that is refused (``permission_denied``), never silently lowered:
+  the caller learns its real standing.
+- Limits set by an admin or derived from a fractional allocation are ceilings
+  (kept by the scheduler, see ``scheduler.py``).
+- A session belongs to a fractional allocation on its GPU when it names the
+  task (its own, or any for an admin); else when the allocation's owner pid is
+  the session's process or one of its ancestors; else when its uid made a
+  fractional allocation on that GPU (the smallest share, if it made several).
+  So a process cannot escape its allocation's limits by not naming the task.
+
+Pure functions over plain data; the shell reads peer credentials, process
+ancestry and configuration and passes them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gpud.core.ledger import UNIT, Allocation
+from gpud.core.scheduler import Refused
+from gpud_client.protocol import ErrorCode
+
+ADMIN_PRIORITY = 100
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityRules:
+    default_max: int = 50
+    by_uid: Mapping[int, int] = field(default_factory=dict)
+    by_gid: Mapping[int, int] = field(default_factory=dict)
+
+
+def priority_ceiling(rules: PriorityRules, uid: int, gids: Iterable[int], *, admin: bool) -> int:
+    """The highest priority this peer may declare for itself."""
+    if admin:
+        return ADMIN_PRIORITY
+    if uid in rules.by_uid:
+        return rules.by_uid[uid]
+    caps = [rules.by_gid[g] for g in gids if g in rules.by_gid]
+    return max(caps) if caps else rules.default_max
+
+
+def check_priority(asked: int | None, ceiling: int, what: str) -> None:
+    """Refuse a declared priority above the peer's ceiling; changes nothing."""
+    if asked is not None and asked > ceiling:
+        raise Refused(
+            ErrorCode.PERMISSION_DENIED,
+            f"{what} priority {asked} is above your maximum {ceiling} (priority_max for your uid or group)",
+        )
+
+
+def owning_allocation(
+    allocations: Iterable[Allocation], owners: Mapping[str, int], gpu: int, ancestry: list[int], uid: int
+) -> Allocation | None:
+    """The fractional allocation on ``gpu`` a session of this process belongs to
+    when it names none: by owner pid (the process or an ancestor), else by uid."""
+    fractional = [a for a in allocations if gpu in a.gpus and 0 < a.share < UNIT]
+    for pid in ancestry:  # the nearest ancestor that owns one wins
+        for a in fractional:
+            if a.owner_pid == pid:
+                return a
+    mine = [a for a in fractional if owners.get(a.task_id) == uid]
+    return min(mine, key=lambda a: (a.share, a.task_id), default=None)
+
+
+def fraction_ceilings(alloc: Allocation | None, gpu: int, memory_total: int) -> tuple[int, int | None]:
+    """(core ceiling %, memory ceiling bytes) that an allocation puts on a session on ``gpu``."""
+    if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
+        return 100, None
+    return max(1, alloc.share * 100 // UNIT), memory_total * alloc.share // UNIT
