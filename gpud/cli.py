@@ -19,7 +19,7 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import GpudError
-from gpud_client.units import format_bytes, parse_bytes
+from gpud_client.units import format_bytes, parse_bytes, printable
 
 
 def _connect(args: argparse.Namespace) -> Connection:
@@ -33,6 +33,7 @@ def _gpu_ref(text: str) -> int | str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
+    rows = [[printable(str(c)) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from gpud.core.gpus import parse_simulate
+from gpud_client.units import printable
 
 log = structlog.get_logger("gpud.devices")
 DEFAULT_SIMULATION = "2x80GiB"
@@ -47,7 +48,9 @@ def simulated_gpus(spec: str) -> list[Gpu]:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """A string NVML returned, made safe to show and log: decoded, control characters escaped, bounded."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return printable(text)[:96]
 
 
 def nvml_gpus(nvml: Any) -> list[Gpu]:

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from gpud_client.units import format_bytes
+from gpud_client.units import format_bytes, printable
 
 CLEAR = "\x1b[H\x1b[2J"
 BOLD, DIM, RESET = "\x1b[1m", "\x1b[2m", "\x1b[0m"
@@ -30,7 +30,7 @@ def frame(status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply,
     for g in status.gpus:
         mode = g.mode if g.scheduler_on else "off"
         health = "" if g.healthy else f"  {BOLD}UNHEALTHY{RESET}"
-        lines.append(f"{BOLD}GPU {g.index}{RESET} {g.name}  mode {mode}  TQ {g.tq_s:g}s  "
+        lines.append(f"{BOLD}GPU {g.index}{RESET} {printable(g.name)}  mode {mode}  TQ {g.tq_s:g}s  "
                      f"memory {format_bytes(g.memory_in_use_bytes)}/{format_bytes(g.memory_capacity_bytes)}  "
                      f"grants {g.grants}{health}")
         held = {h.session for h in g.holders}
@@ -44,13 +44,13 @@ def frame(status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply,
             used = "-" if s.mem_used_bytes is None else format_bytes(s.mem_used_bytes)
             cap = "" if s.mem_limit_bytes is None else "/" + format_bytes(s.mem_limit_bytes)
             drops = ",".join(f"{k}={v}" for k, v in sorted(s.drops.items())) or "-"
-            lines.append(f"  {c.name[:16] or '?':<16} {c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
+            lines.append(f"  {printable(c.name)[:16] or '?':<16} {c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
                          f"{s.recent_share_percent:>6.1f}% {used + cap:>15} {s.grants:>6} {drops:<12}")
         for le in (x for x in leases.leases if x.gpu == g.index):
-            lines.append(f"  lease {le.lease_id} {le.task_type} {le.state} {le.name}[{le.pid}] "
+            lines.append(f"  lease {printable(le.lease_id)} {printable(le.task_type)} {le.state} {printable(le.name)}[{le.pid}] "
                          f"held {le.held_ms:.0f}ms waited {le.waited_ms:.0f}ms")
         if g.queue:
-            lines.append("  queue: " + ", ".join(f"{w.name or '?'}#{w.session}" + (" (throttled)" if w.throttled else "")
+            lines.append("  queue: " + ", ".join(f"{printable(w.name) or '?'}#{w.session}" + (" (throttled)" if w.throttled else "")
                                                  for w in g.queue))
         lines.append("")
     return [line[: width + 16] for line in lines]  # escapes do not take columns

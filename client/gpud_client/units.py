@@ -46,3 +46,13 @@ def format_bytes(n: int) -> str:
             value = n / factor
             return f"{value:g}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return f"{n}B"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown as ``\\xNN``: safe to print on a terminal.
+    The daemon refuses them in names it is sent, but tables show what NVML or an older
+    daemon says too."""
+    return text.translate(_CONTROL)

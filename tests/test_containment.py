@@ -1,0 +1,268 @@
+"""A fault stays with its connection, effect, record or tick: in-process, on real sockets.
+
+Each test injects an exception where a bug could be (a request handler, the
+cleanup of a closing connection, one effect, one reaped record, one NVML sample)
+and checks that only that connection or record is affected, that the fault is
+logged once with its traceback and counted, and that the daemon serves on. Only a
+scheduler whose records disagree stops the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+import structlog
+import trio
+from prometheus_client import CollectorRegistry
+
+import gpud.allocator
+from gpud.config import Config
+from gpud.core.scheduler import Inconsistent
+from gpud.devices import Reading, simulated_gpus
+from gpud.listener import open_listener, serve
+from gpud.metrics import Metrics
+from gpud.monitor import run_monitor
+from gpud.server import Daemon, now_us
+from gpud_client import protocol as p
+
+
+@dataclass
+class Node:
+    daemon: Daemon
+    registry: CollectorRegistry
+    path: str
+
+    def faults(self, where: str) -> float:
+        return self.registry.get_sample_value("gpud_faults_total", {"where": where}) or 0.0
+
+
+class Peer:
+    """A raw protocol client on a trio socket."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.frames = p.FrameDecoder(p.MAX_REPLY_BYTES)
+        self.codec = p.client_codec()
+        self.ready: list[bytes] = []
+        self.ids = 0
+
+    @classmethod
+    async def connect(cls, node: Node, name: str = "peer") -> Peer:
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await sock.connect(node.path)
+        peer = cls(sock)
+        assert isinstance(await peer.call(p.Hello(id=0, version=p.PROTOCOL_VERSION, name=name)), p.Welcome)
+        return peer
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        await self.sock.send(self.codec.encode(msg))
+
+    async def recv(self) -> Any:
+        with trio.fail_after(5):
+            while not self.ready:
+                data = await self.sock.recv(65536)
+                if not data:
+                    raise EOFError("the daemon closed the connection")
+                self.ready.extend(self.frames.feed(data))
+        return self.codec.decode(self.ready.pop(0))
+
+    async def call(self, msg: msgspec.Struct) -> Any:
+        self.ids += 1
+        await self.send(msgspec.structs.replace(msg, id=self.ids))  # type: ignore[arg-type]
+        return await self.recv()
+
+    async def closed(self) -> bool:
+        with trio.fail_after(5):
+            while True:
+                try:
+                    await self.recv()
+                except EOFError:
+                    return True
+
+
+@pytest.fixture
+async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
+    workdir = tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp")
+    config = Config(socket=os.path.join(workdir, "s"), state_dir=os.path.join(workdir, "state"), metrics_addr="off",
+                    reap_interval_s=0)
+    registry = CollectorRegistry()
+    daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(registry))
+    listener = await open_listener(config)
+    await nursery.start(serve, daemon, listener)
+    try:
+        yield Node(daemon, registry, config.socket)
+    finally:
+        daemon.allocator.store.close()
+
+
+async def lock(peer: Peer, gpu: int = 0) -> tuple[int, int]:
+    attached = await peer.call(p.Attach(id=0, gpu=gpu))
+    await peer.send(p.LockRequest(id=99, session=attached.session))
+    ok = await peer.recv()
+    assert isinstance(ok, p.LockOk)
+    return attached.session, ok.grant
+
+
+async def handoff_still_works(node: Node) -> None:
+    """Two fresh clients hand GPU 1's lock over: the daemon serves on."""
+    a, b = await Peer.connect(node, "a"), await Peer.connect(node, "b")
+    sa, ga = await lock(a, gpu=1)
+    sb = (await b.call(p.Attach(id=0, gpu=1))).session
+    await b.send(p.LockRequest(id=7, session=sb))
+    await a.send(p.LockReleased(id=8, session=sa, grant=ga))
+    assert isinstance(await b.recv(), p.LockOk)
+
+
+def raising(exc: BaseException) -> Callable[..., Any]:
+    def fail(*args: object, **kwargs: object) -> Any:
+        raise exc
+
+    return fail
+
+
+@pytest.mark.parametrize(
+    "exc", [ZeroDivisionError("boom"), ExceptionGroup("from a nursery", [ValueError("inner"), KeyError("k")])]
+)
+async def test_a_request_that_fails_closes_only_its_connection(
+    node: Node, monkeypatch: pytest.MonkeyPatch, exc: Exception
+) -> None:
+    holder = await Peer.connect(node, "holder")
+    held = await lock(holder)
+    victim = await Peer.connect(node, "victim")
+    monkeypatch.setattr(node.daemon, "attach", raising(exc))
+    with structlog.testing.capture_logs() as logs:
+        err = await victim.call(p.Attach(id=0, gpu=0))
+        assert isinstance(err, p.Error) and err.code == p.ErrorCode.INTERNAL and "ATTACH" in err.message
+        assert await victim.closed()
+    faults = [e for e in logs if e["event"] == "fault"]
+    assert len(faults) == 1 and faults[0]["where"] == "request" and faults[0]["exc_info"] is exc
+    assert node.faults("request") == 1
+    monkeypatch.undo()
+    status = await holder.call(p.Status(id=0))
+    assert [(h.session, h.grant) for h in status.gpus[0].holders] == [held]  # the bystander keeps its lock
+    await handoff_still_works(node)
+
+
+async def test_a_fault_while_a_slow_connection_is_being_dropped_stays_with_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = await Peer.connect(node, "slow")
+    session, _ = await lock(victim)
+    real_handle = node.daemon.handle
+
+    def drop_then_fail(conn: Any, msg: Any) -> Any:
+        if isinstance(msg, p.Status):
+            node.daemon.drop(conn, "too_slow")  # as a push past its outbox limit would
+            raise RuntimeError("fault in a closing connection")
+        return real_handle(conn, msg)
+
+    monkeypatch.setattr(node.daemon, "handle", drop_then_fail)
+    await victim.send(p.Status(id=5))
+    await victim.sock.send(p.frame(b"\xc1"))  # and a broken frame behind it
+    with trio.fail_after(5):
+        while node.daemon.connections and any(c.name == "slow" for c in node.daemon.connections.values()):
+            await trio.sleep(0.01)
+    monkeypatch.undo()
+    assert session not in node.daemon.owners  # its lock went with it
+    assert node.faults("request") == 1
+    await handoff_still_works(node)
+
+
+async def test_a_fault_in_a_closing_connections_cleanup_is_logged_and_the_daemon_serves_on(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer = await Peer.connect(node, "leaver")
+    await lock(peer)
+    monkeypatch.setattr(node.daemon.arbiter, "connection_closed", raising(ExceptionGroup("cleanup", [OSError(5)])))
+    peer.sock.close()
+    with trio.fail_after(5):
+        while node.faults("close") < 1:
+            await trio.sleep(0.01)
+    monkeypatch.undo()
+    assert not node.daemon.owners and not node.daemon.connections  # the rest of the cleanup ran
+    await handoff_still_works(node)
+
+
+async def test_an_effect_that_cannot_be_carried_out_is_skipped_and_the_rest_are_not(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = await Peer.connect(node, "a"), await Peer.connect(node, "b")
+    sa = (await a.call(p.Attach(id=0, gpu=0, priority=10))).session
+    sb = (await b.call(p.Attach(id=0, gpu=0, priority=10))).session
+    await a.send(p.LockRequest(id=1, session=sa))
+    assert isinstance(await a.recv(), p.LockOk)
+    await b.send(p.LockRequest(id=2, session=sb))
+    real = node.daemon._carry_out_one
+    failed: list[Any] = []
+
+    def fail_first(slot: Any, effect: Any, now: int) -> None:
+        if not failed:
+            failed.append(effect)
+            raise LookupError("one bad effect")
+        real(slot, effect, now)
+
+    monkeypatch.setattr(node.daemon, "_carry_out_one", fail_first)
+    await a.call(p.Detach(id=0, session=sa))  # frees the GPU: the grant to b is the effect that fails
+    monkeypatch.undo()
+    assert node.faults("effect") == 1 and failed
+    await handoff_still_works(node)
+
+
+async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer = await Peer.connect(node, "runner")
+    dead = [os.getpid() + 10**6 + i for i in range(2)]  # above any live pid here, within pid_max
+    for i, pid in enumerate(dead):
+        assert isinstance(await peer.call(p.Allocate(id=0, task_id=f"t{i}", gpus=0.25, owner_pid=pid)), p.Allocated)
+    real_alive = gpud.allocator._alive
+    monkeypatch.setattr(gpud.allocator, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0)
+    node.daemon.allocator.reap(now_us())
+    assert node.faults("reaper") == 1
+    assert [a.task_id for a in node.daemon.allocator.ledger.allocations()] == ["t0"]
+
+
+async def test_a_monitor_sample_that_fails_is_skipped(node: Node) -> None:
+    class Flaky:
+        calls = 0
+
+        def sample(self) -> list[Reading]:
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("NVML said something odd")
+            return [Reading(index=7, healthy=True)]  # a GPU that does not exist: ignored
+
+    node.daemon.config = msgspec.structs.replace(node.daemon.config, monitor_interval_s=0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_monitor, node.daemon, Flaky())  # type: ignore[arg-type]
+        with trio.fail_after(5):
+            while Flaky.calls < 3:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert node.faults("monitor") == 1
+
+
+async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    workdir = tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp")
+    config = Config(socket=os.path.join(workdir, "s"), state_dir=os.path.join(workdir, "st"), metrics_addr="off")
+    daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()))
+    listener = await open_listener(config)
+
+    def corrupt(conn: Any, msg: Any, now: int) -> Any:
+        daemon.slots[0].scheduler._queue.append((0, 0, 12345))  # a queued session that does not exist
+        raise RuntimeError("a bug that left the scheduler wrong")
+
+    monkeypatch.setattr(daemon, "attach", corrupt)
+    with pytest.RaisesGroup(Inconsistent, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, daemon, listener)
+            peer = await Peer.connect(Node(daemon, CollectorRegistry(), config.socket))
+            await peer.send(p.Attach(id=1, gpu=0))
+            await trio.sleep_forever()
+    daemon.allocator.store.close()
