@@ -745,11 +745,14 @@ class Codec:
         return frame(self._enc.encode(msg))
 
     def decode(self, payload: bytes) -> Any:
-        """One message; msgspec's errors, also for a message nested too deeply to read."""
+        """One message; msgspec's errors, also for a message nested too deeply to read or
+        with a string that is not UTF-8 (msgspec raises those as other exceptions)."""
         try:
             return self._dec.decode(payload)
         except RecursionError:
             raise msgspec.DecodeError("message nested too deeply") from None
+        except UnicodeDecodeError as exc:
+            raise msgspec.DecodeError(f"a string is not UTF-8: {exc}") from None
 
 
 def client_codec() -> Codec:
@@ -769,7 +772,7 @@ def describe_bad_message(payload: bytes, exc: msgspec.MsgspecError) -> tuple[int
     """
     try:
         raw = msgspec.msgpack.decode(payload)
-    except (msgspec.MsgspecError, RecursionError):
+    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
         return None, ErrorCode.BAD_FRAME, f"not a msgpack message: {exc}"
     if not isinstance(raw, dict):
         return None, ErrorCode.INVALID, f"a message must be a map with a 'type' field, got {type(raw).__name__}"

@@ -134,6 +134,28 @@ def test_bad_requests_get_an_error_naming_the_problem_and_the_connection_stays(
     still_fine(d, holder, session, grant)
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xa1\xff",  # a lone string that is not UTF-8
+        b"\x81\xa4type\xa2\xc3\x28",  # a type that is not UTF-8
+        b"\x83\xa4type\xa6ATTACH\xa2id\x03\xa3gpu\xa2\xc3\x28",  # a field that is not UTF-8
+        b"\x91" * 50_000 + b"\xc0",  # nested too deeply to read
+    ],
+)
+def test_unreadable_msgpack_is_a_peer_error_not_a_fault(
+    held: tuple[DaemonProcess, Connection, int, int], payload: bytes
+) -> None:
+    d, holder, session, grant = held
+    s = raw(d)
+    hello(s)
+    s.sendall(p.frame(payload))
+    errors = read_all(s)
+    assert [e.code for e in errors] == [p.ErrorCode.BAD_FRAME]
+    assert '"fault"' not in d.log() and "Traceback" not in d.log()
+    still_fine(d, holder, session, grant)
+
+
 def test_a_request_before_hello_is_refused(held: tuple[DaemonProcess, Connection, int, int]) -> None:
     d, holder, session, grant = held
     s = raw(d)
