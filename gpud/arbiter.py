@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gpud.core.authority import check_priority
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Effect, Grant, HoldOverdue, LeaseDenied, Refused, Revoke
 from gpud.metrics import Metrics
@@ -40,6 +41,7 @@ class LeaseRecord:
     trace: p.Trace
     request_id: int
     requested_at: int
+    label: str  # task type as a metric label, fixed at acquire (a policy added later does not move it)
     waiting: bool = False
     granted_at: int | None = None
     overdue: bool = False
@@ -69,9 +71,18 @@ class Arbiter:
         self._prefix = secrets.token_hex(3)  # ids of one daemon run never repeat another's
         self._children: dict[tuple[int, str], _Children] = {}
         self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
+        self._prime()
+
+    def _prime(self) -> None:
+        """Every (gpu, configured task type or other) has its series from the start."""
+        for slot in self.daemon.slots:
+            for label in [*self.policies, "other"]:
+                key = (slot.gpu.index, label)
+                if key not in self._children:
+                    self._children[key] = _Children(self.metrics, *key)
 
     def _m(self, rec: LeaseRecord) -> _Children:
-        key = (rec.gpu, self.label(rec.terms.task_type))
+        key = (rec.gpu, rec.label)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = _Children(self.metrics, *key)
@@ -86,6 +97,7 @@ class Arbiter:
     def acquire(self, conn: Connection, msg: p.Acquire, sid: int, now: int) -> None:
         slot = self.daemon.slots[self.daemon.gpu_index(msg.gpu)]
         self.daemon.check_room(conn)
+        check_priority(msg.priority, self.daemon.priority_ceiling(conn), "lease")
         key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
                msg.mem_estimate)
         terms = self._terms.get(key)
@@ -99,7 +111,8 @@ class Arbiter:
             )
             if len(self._terms) < 4096:
                 self._terms[key] = terms
-        rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now)
+        rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now,
+                          self.label(terms.task_type))
         self.by_sid[sid] = rec
         self.by_id[rec.lease_id] = rec
         conn.sessions[sid] = slot.gpu.index
@@ -193,7 +206,7 @@ class Arbiter:
     def set_policies(self, policies: dict[str, LeasePolicy]) -> None:
         self.policies = policies
         self._terms.clear()
-        self._children.clear()
+        self._prime()
 
     def set_policy(self, msg: p.SetPolicy) -> LeasePolicy:
         base = self.policies.get(msg.task_type) or self.policies["OTHER"]
@@ -206,7 +219,7 @@ class Arbiter:
         )
         self.policies[msg.task_type] = new
         self._terms.clear()
-        self._children.clear()
+        self._prime()
         return new
 
     # --- bookkeeping ----------------------------------------------------------

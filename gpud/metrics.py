@@ -5,11 +5,24 @@ are bounded: gpu, task_type, status, reason; never a client, job or lease id.
 The ``gpu`` label is the index, as dcgm-exporter's is, so the two can be
 joined. The shell calls these methods as it carries out the core's effects;
 the core itself never sees a metric.
+
+Every label value known in advance (GPUs, reasons, codes, message types, caps,
+configured task types) gets its series at start (``prime``), as Prometheus
+advises: series exist from the first scrape, and what clients send later adds
+none (only the per-session gauges, which go with their sessions).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpud_client import protocol as p
+
+# Label values of the daemon's own counters, created up front.
+FAULT_PLACES = ("request", "connection", "close", "effect", "reaper", "allocator", "monitor", "watchdog", "reload")
+CAPS = ("max_connections", "max_connections_per_uid", "max_sessions_per_connection", "max_lock_queue",
+        "max_allocation_waiters")
+DROPPED = ("too_slow", "peer_gone", "no_hello")
 
 # Lease waits and holds of inference calls: from sub-millisecond to a minute.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -51,6 +64,29 @@ class Metrics:
             registry=registry,
         )
         self.node = NodeMetrics(registry)
+
+    def prime(self, gpus: list[int]) -> None:
+        """Create the series whose label values are known now (see the module comment)."""
+        for gpu in gpus:
+            self.lock_grants.labels(gpu)
+            for drop in p.DropReason:
+                self.lock_drops.labels(gpu, str(drop))
+            for revoke in p.RevokeReason:
+                self.lock_revocations.labels(gpu, str(revoke))
+            for histogram in (self.node.lock_wait, self.node.lock_hold, self.node.drop_to_release):
+                histogram.labels(gpu)
+        n = self.node
+        for kind in p.CLIENT_TYPES:
+            n.messages.labels(kind)
+        for code in p.ErrorCode:
+            n.protocol_errors.labels(str(code))
+        for where in FAULT_PLACES:
+            n.faults.labels(where)
+        for cap in CAPS:
+            n.limit_refusals.labels(cap)
+            n.connections_refused.labels(cap)
+        for reason in DROPPED:
+            n.connections_dropped.labels(reason)
 
 
 class NodeMetrics:

@@ -112,6 +112,7 @@ class Daemon:
         self.admin_gid = admin_gid(config.admin_group)
         self.priority_rules = priority_rules(config)
         self.faults = Faults(metrics)
+        metrics.prime([g.index for g in gpus])
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
         self.allocator = Allocator(self, config, sorted(os.sched_getaffinity(0)))
         self.allocator_wake = trio.Event()
