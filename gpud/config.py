@@ -86,7 +86,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # reading its requests; past the limit (a client that never reads) it is disconnected.
     outbox_high_water_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**30)] = 2**20
     outbox_limit_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**31)] = 16 * 2**20
-    # Priorities a non-admin may declare for its sessions, leases and allocations.
+    # Priorities a non-admin may declare for its sessions, leases and allocations (lease terms
+    # are also cut to their task type's policy).
     priority_max: Priority = 50
     priority_max_uids: dict[str, Priority] = {}  # "1000" = 80: by uid
     priority_max_groups: dict[str, Priority] = {}  # "inference" = 90: by group name (the highest of the peer's)
