@@ -247,7 +247,10 @@ async def open_listener(config: Config, inherited: socket.socket | None = None) 
 
 
 async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
-    """Sleep until the scheduler's next deadline or until something changed."""
+    """Sleep until the scheduler's next deadline or until something changed. A tick
+    that fails is logged, counted and skipped (then retried after a growing pause,
+    never in a tight loop); a scheduler found inconsistent after it stops the daemon."""
+    failures = 0
     while True:
         slot.wake = trio.Event()
         deadline = slot.armed_for = slot.scheduler.next_deadline()
@@ -259,7 +262,14 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
                 with trio.move_on_after(delay):
                     await slot.wake.wait()
         now = now_us()
-        daemon.carry_out(slot, slot.scheduler.advance(now), now)  # advance raising: a scheduler bug, fatal
+        try:
+            daemon.carry_out(slot, slot.scheduler.advance(now), now)
+            failures = 0
+        except Exception as exc:
+            daemon.faults.record("timer", exc, gpu=slot.gpu.index)
+            slot.scheduler.check()
+            failures += 1
+            await trio.sleep(min(1.0, 0.01 * 2**failures))
 
 
 async def run_allocator_timer(daemon: Daemon) -> None:

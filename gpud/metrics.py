@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gpud_client import protocol as p
 
 # Label values of the daemon's own counters, created up front.
-FAULT_PLACES = ("request", "connection", "close", "effect", "reaper", "allocator", "monitor", "watchdog", "reload")
+FAULT_PLACES = ("request", "connection", "close", "effect", "timer", "reaper", "allocator", "monitor", "watchdog",
+                "reload")
 CAPS = ("max_connections", "max_connections_per_uid", "max_sessions_per_connection", "max_lock_queue",
         "max_allocation_waiters")
 DROPPED = ("too_slow", "peer_gone", "no_hello")

@@ -214,6 +214,24 @@ async def test_an_effect_that_cannot_be_carried_out_is_skipped_and_the_rest_are_
     await handoff_still_works(node)
 
 
+async def test_a_gpu_timer_tick_that_fails_is_skipped_and_the_timer_goes_on(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder, waiter = await Peer.connect(node, "holder"), await Peer.connect(node, "waiter")
+    lease = await holder.call(p.Acquire(id=0, gpu=0))
+    assert lease.acquired
+    scheduler = node.daemon.slots[0].scheduler
+    real_advance = scheduler.advance
+    monkeypatch.setattr(scheduler, "advance", raising(KeyError("one bad tick")))
+    await waiter.send(p.Acquire(id=1, gpu=0, max_wait_ms=50))  # only the timer can answer TIMEOUT
+    with trio.fail_after(5):
+        while node.faults("timer") < 1:
+            await trio.sleep(0.01)
+    monkeypatch.setattr(scheduler, "advance", real_advance)
+    answer = await waiter.recv()
+    assert isinstance(answer, p.LeaseResult) and answer.reason == p.LeaseReason.TIMEOUT
+
+
 async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
