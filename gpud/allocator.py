@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -31,16 +30,15 @@ from gpud.core.ledger import (
 )
 from gpud.core.scheduler import Refused
 from gpud.store import Store
+from gpud.state import Connection, Host
 from gpud_client import protocol as p
 
-if TYPE_CHECKING:
-    from gpud.server import Connection, Daemon
 
 log = structlog.get_logger("gpud.allocator")
 
 
 class Allocator:
-    def __init__(self, daemon: Daemon, config: Config, cpus: list[int]) -> None:
+    def __init__(self, daemon: Host, config: Config, cpus: list[int]) -> None:
         self.daemon = daemon
         self.config = config
         specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in daemon.slots]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -23,10 +22,9 @@ from gpud.core.authority import check_priority
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Effect, Grant, HoldOverdue, LeaseDenied, Refused, Revoke
 from gpud.metrics import Metrics
+from gpud.state import Connection, GpuSlot, Host
 from gpud_client import protocol as p
 
-if TYPE_CHECKING:
-    from gpud.server import Connection, Daemon, GpuSlot
 
 log = structlog.get_logger("gpud.arbiter")
 
@@ -62,7 +60,7 @@ class _Children:
 
 
 class Arbiter:
-    def __init__(self, daemon: Daemon, metrics: Metrics, policies: dict[str, LeasePolicy]) -> None:
+    def __init__(self, daemon: Host, metrics: Metrics, policies: dict[str, LeasePolicy]) -> None:
         self.daemon = daemon
         self.metrics = metrics
         self.policies = policies

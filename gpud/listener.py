@@ -34,7 +34,9 @@ from gpud.config import Config
 from gpud.core.scheduler import Inconsistent, LimitReached, Refused
 from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
-from gpud.server import Connection, Daemon, GpuSlot, now_us
+from gpud.requests import handle
+from gpud.server import Daemon
+from gpud.state import Connection, GpuSlot, now_us
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
@@ -191,7 +193,7 @@ def handle_payload(daemon: Daemon, conn: Connection, payload: bytes, codec: p.Co
         return code != p.ErrorCode.BAD_FRAME
     daemon.count_message(type(msg))
     try:
-        answer = daemon.handle(conn, msg)
+        answer = handle(daemon, conn, msg)
     except Refused as exc:
         if isinstance(exc, LimitReached):
             daemon.metrics.node.limit_refusals.labels(exc.cap).inc()

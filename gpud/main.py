@@ -20,7 +20,8 @@ from gpud.logging import configure_logging
 from gpud.metrics import Metrics
 from gpud import systemd
 from gpud.listener import open_listener, serve
-from gpud.server import Daemon, now_us
+from gpud.server import Daemon
+from gpud.state import now_us
 
 log = structlog.get_logger("gpud")
 

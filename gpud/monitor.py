@@ -9,17 +9,15 @@ check of memory limits, beside what clients report.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from gpud.core.ledger import UNIT
 from gpud.devices import NvmlSampler, Reading
-from gpud.server import now_us
+from gpud.server import Daemon
+from gpud.state import now_us
 
-if TYPE_CHECKING:
-    from gpud.server import Daemon
 
 log = structlog.get_logger("gpud.monitor")
 

@@ -1,10 +1,10 @@
-"""The daemon's state and its request handling: GPUs, schedulers, owners.
+"""The daemon's state: GPUs, schedulers, connections and who owns what.
 
-``Daemon.handle`` turns one decoded request into core calls and an answer;
 ``carry_out`` executes the effects the per-GPU schedulers return (pushes to
-clients, metrics, logs) and re-arms the GPU's timer. It only moves bytes,
-reads the clock and carries out what the core decides; the sockets and tasks
-are in ``gpud.listener``.
+clients, metrics, logs) and re-arms the GPU's timer; ``open`` and ``close``
+admit and free connections under the caps. It only moves bytes, reads the
+clock and carries out what the core decides; requests are handled in
+``gpud.requests``, the sockets and tasks are in ``gpud.listener``.
 
 Pushes go to a connection's outbox, counted in bytes, so a push to a slow
 client never blocks anyone else: past ``outbox_limit_bytes`` unread it is
@@ -24,9 +24,7 @@ from __future__ import annotations
 import grp
 import itertools
 import os
-import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -36,7 +34,7 @@ import trio
 from gpud.allocator import Allocator
 from gpud.arbiter import Arbiter
 from gpud.config import Config
-from gpud.core.authority import PriorityRules, check_priority, fraction_ceilings, priority_ceiling
+from gpud.core.authority import PriorityRules, priority_ceiling
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import (
@@ -45,47 +43,11 @@ from gpud.core.scheduler import (
 from gpud.devices import Gpu
 from gpud.faults import Faults
 from gpud.metrics import Metrics
-from gpud.views import clients_reply, status_reply
+from gpud.state import Connection, GpuSlot, now_us
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
 _GPU_REFS_KEPT = 256  # resolved GPU keys remembered (a client may send any number of spellings)
-
-
-def now_us() -> int:
-    return time.monotonic_ns() // 1000
-
-
-@dataclass(eq=False)
-class Connection:
-    client_id: int
-    pid: int
-    uid: int
-    gid: int
-    groups: frozenset[int]  # supplementary groups, from SO_PEERGROUPS
-    fd: int
-    cancel: trio.CancelScope  # cancelled to drop the connection at once
-    connected_at: int
-    pending: deque[bytes] = field(default_factory=deque)  # bytes the writer task has not sent yet
-    pending_bytes: int = 0  # in ``pending`` and in the writer's hands
-    writing: bool = False  # the writer task holds bytes not yet on the socket
-    writer_wake: trio.Event = field(default_factory=trio.Event)
-    drained: trio.Event = field(default_factory=trio.Event)
-    closing: bool = False
-    name: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-    greeted: bool = False
-    sessions: dict[int, int] = field(default_factory=dict)  # session or lease -> gpu index
-    protocol_errors: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(eq=False)
-class GpuSlot:
-    gpu: Gpu
-    scheduler: GpuScheduler
-    wake: trio.Event = field(default_factory=trio.Event)
-    armed_for: int | None = None  # the deadline the timer task sleeps toward
-    healthy: bool = True
 
 
 class Daemon:
@@ -116,6 +78,9 @@ class Daemon:
         self.arbiter = Arbiter(self, metrics, config.lease_policies())
         self.allocator = Allocator(self, config, sorted(os.sched_getaffinity(0)))
         self.allocator_wake = trio.Event()
+
+    def new_session_id(self) -> int:
+        return next(self._session_ids)
 
     def wake_allocator(self) -> None:
         self.allocator_wake.set()
@@ -291,105 +256,7 @@ class Daemon:
         if conn.greeted:
             log.info("client_detached", client=conn.client_id, pid=conn.pid, name=conn.name)
 
-    # --- requests -----------------------------------------------------------
-
-    def handle(self, conn: Connection, msg: Any) -> msgspec.Struct | None:
-        """One decoded request -> its answer (or None). Raises Refused."""
-        if not conn.greeted:
-            if not isinstance(msg, p.Hello):
-                raise Refused(p.ErrorCode.HELLO_REQUIRED, f"send HELLO before {msg.__struct_config__.tag}")
-            return self.hello(conn, msg)
-        now = now_us()
-        match msg:
-            case p.Hello():
-                raise Refused(p.ErrorCode.INVALID, "HELLO was already received on this connection")
-            case p.LockRequest(session=sid):
-                self.lock_op(conn, sid, now, lambda s: s.request(sid, now))
-                return None
-            case p.LockReleased(session=sid, grant=g):
-                self.lock_op(conn, sid, now, lambda s: s.release(sid, now, grant=g))
-                self.observe_release(conn, sid)
-                return None
-            case p.Acquire():
-                self.arbiter.acquire(conn, msg, next(self._session_ids), now)
-                return None  # LEASE_RESULT comes from the arbiter, now or later
-            case p.Release(lease_id=lease_id, quiet=quiet):
-                self.arbiter.release(conn, lease_id, now)
-                return None if quiet else p.Ok(id=msg.id)
-            case p.MemUpdate(session=sid, used_bytes=used):
-                self.lock_op(conn, sid, now, lambda s: s.report_memory(sid, used, now))
-                return None
-            case p.Attach():
-                return self.attach(conn, msg, now)
-            case p.SetLimits():
-                return self.set_limits(conn, msg, now)
-            case p.SetMode(mode=mode, gpu=ref):
-                self.require_admin(conn, msg)
-                slots = self.targets(ref)
-                for slot in slots:
-                    self.carry_out(slot, slot.scheduler.set_mode(mode, now), now)
-                log.info("mode_set", gpus=[s.gpu.index for s in slots], mode=str(mode), by_pid=conn.pid)
-                return p.Ok(id=msg.id)
-            case p.Detach(session=sid):
-                if self.arbiter.owns(sid):
-                    raise Refused(p.ErrorCode.INVALID, f"{sid} is a lease: give it back with RELEASE")
-                slot = self.owned(conn, sid)
-                effects = slot.scheduler.detach(sid, now)
-                del conn.sessions[sid]
-                del self.owners[sid]
-                self.carry_out(slot, effects, now)
-                return p.Ok(id=msg.id)
-            case p.SchedOn() | p.SchedOff():
-                self.require_admin(conn, msg)
-                on = isinstance(msg, p.SchedOn)
-                for slot in self.targets(msg.gpu):
-                    self.carry_out(slot, slot.scheduler.set_enabled(on, now), now)
-                    log.info("scheduler_switched", gpu=slot.gpu.index, on=on, by_pid=conn.pid)
-                    for other in list(self.connections.values()):
-                        if other.greeted:
-                            self.send(other, p.SchedState(gpu=slot.gpu.index, on=on))
-                return p.Ok(id=msg.id)
-            case p.SetTq(seconds=seconds, gpu=ref):
-                self.require_admin(conn, msg)
-                slots = self.targets(ref)
-                for slot in slots:
-                    self.carry_out(slot, slot.scheduler.set_tq(max(1, round(seconds * 1e6)), now), now)
-                log.info("tq_set", gpus=[s.gpu.index for s in slots], tq_s=seconds, by_pid=conn.pid)
-                return p.Ok(id=msg.id)
-            case p.ReportOom(gpu=ref, task_type=task):
-                gpu = self.gpu_index(ref)
-                self.metrics.oom.labels(gpu, self.arbiter.label(task)).inc()
-                log.info("gpu_oom_reported", gpu=gpu, task_type=task, pid=conn.pid, client=conn.client_id)
-                return p.Ok(id=msg.id)
-            case p.ListLeases():
-                self.settle_all(now)
-                return p.LeasesReply(id=msg.id, leases=self.arbiter.infos(now))
-            case p.SetPolicy():
-                self.require_admin(conn, msg)
-                policy = self.arbiter.set_policy(msg)
-                log.info("policy_set", task_type=msg.task_type, priority=policy.priority,
-                         busy_policy=str(policy.busy_policy), max_wait_ms=policy.max_wait_ms, by_pid=conn.pid)
-                return p.Ok(id=msg.id)
-            case p.ListPolicies():
-                return p.PoliciesReply(id=msg.id, policies=self.arbiter.policy_infos())
-            case p.Allocate():
-                return self.allocator.allocate(conn, msg, now)  # None: it waits, answered later
-            case p.Free(task_id=task_id):
-                self.allocator.free(conn, task_id, now)
-                return p.Ok(id=msg.id)
-            case p.ListAllocations():
-                self.allocator.advance(now)
-                return self.allocator.listing(msg.id)
-            case p.ResetAllocations():
-                self.allocator.reset(conn, now)
-                return p.Ok(id=msg.id)
-            case p.Status():
-                self.settle_all(now)
-                return status_reply(self, msg.id, now)
-            case p.ListClients():
-                self.settle_all(now)
-                return clients_reply(self, msg.id, now)
-        raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
+    # --- whole-daemon operations -----------------------------------------------
 
     def farewell(self, reason: str) -> None:
         """Tell every client we are going; the store is already up to date."""
@@ -426,131 +293,11 @@ class Daemon:
         for slot in self.slots:
             self.carry_out(slot, slot.scheduler.advance(now), now)
 
-    def attach(self, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
-        slot = self.slots[self.gpu_index(msg.gpu)]
-        self.check_room(conn)
-        check_priority(msg.priority, self.priority_ceiling(conn), "session")
-        # A fractional allocation of the session's task (named, or matched by process or uid)
-        # caps its limits: the caps are ceilings the client cannot lift later.
-        alloc = self.allocator.session_allocation(conn, msg.task_id or conn.labels.get("task_id"), slot.gpu.index)
-        core_ceiling, mem_ceiling = fraction_ceilings(alloc, slot.gpu.index, slot.gpu.memory_total_bytes)
-        sid = next(self._session_ids)
-        effects = slot.scheduler.attach(
-            sid, now, priority=msg.priority, core_limit=msg.core_limit, mem_estimate=msg.mem_estimate,
-            mem_limit=msg.mem_limit, core_ceiling=core_ceiling, mem_ceiling=mem_ceiling,
-        )
-        conn.sessions[sid] = slot.gpu.index
-        self.owners[sid] = conn
-        self.carry_out(slot, effects, now)
-        v = slot.scheduler.session(sid, now)
-        log.info(
-            "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index, core_limit=v.core_limit,
-            mem_limit_bytes=v.mem_limit, priority=msg.priority, task_id=alloc.task_id if alloc else None,
-        )
-        return p.Attached(
-            id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled,
-            core_limit=v.core_limit, mem_limit=v.mem_limit, memory_total_bytes=slot.gpu.memory_total_bytes,
-        )
-
     def check_room(self, conn: Connection) -> None:
         """Refuse one more session or lease on a connection that has its cap of them."""
         cap = self.config.max_sessions_per_connection
         if len(conn.sessions) >= cap:
             raise LimitReached("max_sessions_per_connection", f"this connection has {cap} sessions and leases open")
-
-    def find_client(self, ref: int | str) -> Connection:
-        if isinstance(ref, int):
-            found = [c for c in self.connections.values() if c.client_id == ref and c.greeted]
-        else:
-            found = [c for c in self.connections.values() if c.name == ref and c.greeted]
-        if not found:
-            raise Refused(p.ErrorCode.UNKNOWN_CLIENT, f"no client {ref!r} is connected (see gpuctl clients)")
-        if len(found) > 1:
-            ids = ", ".join(str(c.client_id) for c in found)
-            raise Refused(p.ErrorCode.INVALID, f"{len(found)} clients are named {ref!r}: use a client id ({ids})")
-        return found[0]
-
-    def set_limits(self, conn: Connection, msg: p.SetLimits, now: int) -> p.LimitsSet:
-        if msg.core_limit is None and msg.mem_limit is None:
-            raise Refused(p.ErrorCode.INVALID, "nothing to change: give core_limit and/or mem_limit")
-        target = conn if msg.client is None else self.find_client(msg.client)
-        if target is not conn and not self.is_admin(conn):
-            raise Refused(
-                p.ErrorCode.PERMISSION_DENIED,
-                f"changing another client's limits needs uid 0, the daemon's uid or the admin group (peer uid {conn.uid})",
-            )
-        gpu = None if msg.gpu is None else self.gpu_index(msg.gpu)
-        chosen = [
-            (sid, g) for sid, g in target.sessions.items()
-            if (gpu is None or g == gpu) and (msg.session is None or sid == msg.session) and not self.arbiter.owns(sid)
-        ]
-        if not chosen:
-            raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
-        admin = self.is_admin(conn)
-        if not admin:  # every chosen session is checked before any changes: all or nothing
-            for sid, g in chosen:
-                self.slots[g].scheduler.check_limits(sid, core_limit=msg.core_limit, mem_limit=msg.mem_limit)
-        for sid, g in chosen:
-            slot = self.slots[g]
-            effects = slot.scheduler.set_limits(
-                sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit, authority=admin
-            )
-            self.carry_out(slot, effects, now)
-            v = slot.scheduler.session(sid, now)
-            self.send(target, p.LimitsChanged(session=sid, core_limit=v.core_limit, mem_limit=v.mem_limit))
-        log.info(
-            "limits_set", client=target.client_id, sessions=[sid for sid, _ in chosen],
-            core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, by_pid=conn.pid,
-        )
-        return p.LimitsSet(id=msg.id, sessions=[sid for sid, _ in chosen])
-
-    def hello(self, conn: Connection, msg: p.Hello) -> p.Welcome:
-        if msg.version != p.PROTOCOL_VERSION:
-            raise Refused(
-                p.ErrorCode.VERSION,
-                f"protocol version {msg.version} is not supported (daemon speaks {p.PROTOCOL_VERSION})",
-            )
-        conn.greeted = True
-        conn.name = msg.name
-        conn.labels = dict(msg.labels)
-        log.info("client_attached", client=conn.client_id, pid=conn.pid, uid=conn.uid, name=conn.name)
-        gpus = [
-            p.GpuInfo(
-                index=s.gpu.index,
-                uuid=s.gpu.uuid,
-                name=s.gpu.name,
-                memory_total_bytes=s.gpu.memory_total_bytes,
-                simulated=s.gpu.simulated,
-                scheduler_on=s.scheduler.enabled,
-            )
-            for s in self.slots
-        ]
-        return p.Welcome(id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus)
-
-    def observe_release(self, conn: Connection, sid: int) -> None:
-        gpu = conn.sessions[sid]
-        v = self.slots[gpu].scheduler.session(sid, 0)
-        self.metrics.node.lock_hold.labels(gpu).observe(v.last_hold_us / 1e6)
-        if v.last_drop_to_release_us is not None:
-            self.metrics.node.drop_to_release.labels(gpu).observe(v.last_drop_to_release_us / 1e6)
-
-    def owned(self, conn: Connection, sid: int) -> GpuSlot:
-        gpu = conn.sessions.get(sid)
-        if gpu is None:
-            raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"session {sid} is not attached on this connection")
-        return self.slots[gpu]
-
-    def lock_op(self, conn: Connection, sid: int, now: int, op: Any) -> None:
-        slot = self.owned(conn, sid)
-        self.carry_out(slot, op(slot.scheduler), now)
-
-    def require_admin(self, conn: Connection, msg: msgspec.Struct) -> None:
-        if not self.is_admin(conn):
-            raise Refused(
-                p.ErrorCode.PERMISSION_DENIED,
-                f"{msg.__struct_config__.tag} needs uid 0, the daemon's uid or the admin group (peer uid {conn.uid})",
-            )
-
 
 # What only a restart can change: sockets, devices, the store, the metrics endpoint.
 RESTART_KEYS = frozenset({"socket", "socket_mode", "simulate", "state_dir", "state_sync", "metrics_addr"})

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from gpud import __version__
+from gpud.state import Host
 from gpud_client import protocol as p
-
-if TYPE_CHECKING:
-    from gpud.server import Daemon
 
 
 def _ms(us: int) -> float:
     return round(us / 1000, 3)
 
 
-def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
+def status_reply(daemon: Host, rid: int, now: int) -> p.StatusReply:
     gpus = []
     for slot in daemon.slots:
         view = slot.scheduler.view(now)
@@ -76,7 +73,7 @@ def status_reply(daemon: Daemon, rid: int, now: int) -> p.StatusReply:
     return p.StatusReply(id=rid, version=__version__, uptime_s=round((now - daemon.started_at) / 1e6, 3), gpus=gpus)
 
 
-def clients_reply(daemon: Daemon, rid: int, now: int) -> p.ClientsReply:
+def clients_reply(daemon: Host, rid: int, now: int) -> p.ClientsReply:
     out = []
     for conn in daemon.connections.values():
         if not conn.greeted:

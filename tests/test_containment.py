@@ -22,13 +22,16 @@ import trio
 from prometheus_client import CollectorRegistry
 
 import gpud.allocator
+import gpud.listener
+import gpud.requests
 from gpud.config import Config
 from gpud.core.scheduler import Inconsistent
 from gpud.devices import Reading, simulated_gpus
 from gpud.listener import open_listener, serve
 from gpud.metrics import Metrics
 from gpud.monitor import run_monitor
-from gpud.server import Daemon, now_us
+from gpud.server import Daemon
+from gpud.state import now_us
 from gpud_client import protocol as p
 
 
@@ -135,7 +138,7 @@ async def test_a_request_that_fails_closes_only_its_connection(
     holder = await Peer.connect(node, "holder")
     held = await lock(holder)
     victim = await Peer.connect(node, "victim")
-    monkeypatch.setattr(node.daemon, "attach", raising(exc))
+    monkeypatch.setattr(gpud.requests, "attach", raising(exc))
     with structlog.testing.capture_logs() as logs:
         err = await victim.call(p.Attach(id=0, gpu=0))
         assert isinstance(err, p.Error) and err.code == p.ErrorCode.INTERNAL and "ATTACH" in err.message
@@ -154,15 +157,15 @@ async def test_a_fault_while_a_slow_connection_is_being_dropped_stays_with_it(
 ) -> None:
     victim = await Peer.connect(node, "slow")
     session, _ = await lock(victim)
-    real_handle = node.daemon.handle
+    real_handle = gpud.requests.handle
 
-    def drop_then_fail(conn: Any, msg: Any) -> Any:
+    def drop_then_fail(daemon: Daemon, conn: Any, msg: Any) -> Any:
         if isinstance(msg, p.Status):
-            node.daemon.drop(conn, "too_slow")  # as a push past its outbox limit would
+            daemon.drop(conn, "too_slow")  # as a push past its outbox limit would
             raise RuntimeError("fault in a closing connection")
-        return real_handle(conn, msg)
+        return real_handle(daemon, conn, msg)
 
-    monkeypatch.setattr(node.daemon, "handle", drop_then_fail)
+    monkeypatch.setattr(gpud.listener, "handle", drop_then_fail)
     await victim.send(p.Status(id=5))
     await victim.sock.send(p.frame(b"\xc1"))  # and a broken frame behind it
     with trio.fail_after(5):
@@ -272,11 +275,11 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
     daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()))
     listener = await open_listener(config)
 
-    def corrupt(conn: Any, msg: Any, now: int) -> Any:
+    def corrupt(d: Daemon, conn: Any, msg: Any, now: int) -> Any:
         daemon.slots[0].scheduler._queue.append((0, 0, 12345))  # a queued session that does not exist
         raise RuntimeError("a bug that left the scheduler wrong")
 
-    monkeypatch.setattr(daemon, "attach", corrupt)
+    monkeypatch.setattr(gpud.requests, "attach", corrupt)
     with pytest.RaisesGroup(Inconsistent, flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, daemon, listener)
