@@ -33,7 +33,8 @@ What is measured, against real daemons (a fresh ``gpud --simulate 1x16GiB
   "Well below flock" is read as: gpud's ASR acquire p95 as the client saw it
   (the conservative figure) at most half of flock's ASR p95.
 - Lease cycles per second (acquire + release, hold zero, task type OTHER,
-  queue_limit max(8, clients) so none is refused) with 1, 8
+  queue_limit max(8, clients) on a daemon whose lease_queue_limit is the
+  largest client count, so none is refused) with 1, 8
   and 64 client processes for a fixed time: through ``with client.lease()``
   (the headline ``cycles_per_s``: one round trip, the release sent without
   waiting for its OK) and the bare ``Connection`` (ACQUIRE and RELEASE both
@@ -202,7 +203,12 @@ def _cpu_seconds(pid: int) -> float:
 def cycles(ctx: Any, cfg: BenchConfig, *, log_flags: tuple[str, ...]) -> dict[str, Any]:
     """cycles/s per client count, client library and bare protocol, on one daemon."""
     out: dict[str, Any] = {"client": {}, "bare": {}}
-    daemon = DaemonProcess("--simulate", GPU, *log_flags).start()
+    daemon = DaemonProcess("--simulate", GPU, *log_flags)
+    config = os.path.join(daemon.workdir, "gpud.toml")
+    with open(config, "w") as f:  # a client's queue_limit can only lower the node's: raise the node's
+        f.write(f"lease_queue_limit = {max(8, *CLIENT_COUNTS)}\n")
+    daemon.args += ["--config", config]
+    daemon.start()
     try:
         assert daemon.proc is not None
         for n in CLIENT_COUNTS:
