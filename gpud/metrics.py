@@ -90,6 +90,11 @@ class Metrics:
             n.connections_dropped.labels(reason)
 
 
+def session_labels(gpu: int, session: int, client: str, pid: int) -> tuple[str, str, str, str]:
+    """The labels of one session's gauges (client is its name, ``?`` when it has none)."""
+    return str(gpu), str(session), client or "?", str(pid)
+
+
 class NodeMetrics:
     """GPU, lock, session, allocation and daemon metrics (issue: operations)."""
 
@@ -138,5 +143,15 @@ class NodeMetrics:
                                            ["reason"], registry=registry)
         self.limit_refusals = Counter("gpud_limit_refusals_total", "Requests refused by a cap, by the cap's name.",
                                       ["cap"], registry=registry)
+        self.session_gauges = (self.session_core_limit, self.session_window_used, self.session_throttled,
+                               self.session_memory, self.session_memory_limit)
         self.store_records_set_aside = Counter("gpud_store_records_set_aside_total",
                                                "Stored allocations that could not be restored.", registry=registry)
+
+    def forget_session(self, labels: tuple[str, str, str, str]) -> None:
+        """A session's series go with it, at once (the monitor refreshes the others)."""
+        for gauge in self.session_gauges:
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass  # not published yet, or that gauge never had it

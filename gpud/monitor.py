@@ -15,6 +15,7 @@ import trio
 
 from gpud.core.ledger import UNIT
 from gpud.devices import NvmlSampler, Reading
+from gpud.metrics import session_labels
 from gpud.server import Daemon
 from gpud.state import now_us
 
@@ -85,7 +86,7 @@ def publish(daemon: Daemon) -> None:
                 if g != gpu or daemon.arbiter.owns(sid):
                     continue
                 v = slot.scheduler.session(sid, now)
-                labels: tuple[str, ...] = (str(gpu), str(sid), conn.name or "?", str(conn.pid))
+                labels: tuple[str, ...] = session_labels(gpu, sid, conn.name, conn.pid)
                 seen.add(labels)
                 m.session_core_limit.labels(*labels).set(v.core_limit / 100)
                 m.session_window_used.labels(*labels).set(v.used_us / 1e6)
@@ -94,8 +95,8 @@ def publish(daemon: Daemon) -> None:
                 if v.mem_limit is not None:
                     limited.add(labels)
                     m.session_memory_limit.labels(*labels).set(v.mem_limit)
-    for gauge, keep in ((m.session_core_limit, seen), (m.session_window_used, seen), (m.session_throttled, seen),
-                        (m.session_memory, seen), (m.session_memory_limit, limited)):
+    for gauge in m.session_gauges:
+        keep = limited if gauge is m.session_memory_limit else seen
         for labels in list(_label_sets(gauge)):  # a session's series go with it
             if labels not in keep:
                 gauge.remove(*labels)

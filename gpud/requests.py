@@ -17,6 +17,7 @@ import structlog
 from gpud.core.authority import check_priority, fraction_ceilings
 from gpud.core.scheduler import Refused
 from gpud.server import Daemon
+from gpud.metrics import session_labels
 from gpud.state import Connection, GpuSlot, now_us
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
@@ -68,6 +69,7 @@ def handle(d: Daemon, conn: Connection, msg: Any) -> msgspec.Struct | None:
             effects = slot.scheduler.detach(sid, now)
             del conn.sessions[sid]
             del d.owners[sid]
+            d.metrics.node.forget_session(session_labels(slot.gpu.index, sid, conn.name, conn.pid))
             d.carry_out(slot, effects, now)
             return p.Ok(id=msg.id)
         case p.SchedOn() | p.SchedOff():

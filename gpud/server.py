@@ -42,7 +42,7 @@ from gpud.core.scheduler import (
 )
 from gpud.devices import Gpu
 from gpud.faults import Faults
-from gpud.metrics import Metrics
+from gpud.metrics import Metrics, session_labels
 from gpud.state import Connection, GpuSlot, now_us
 from gpud_client import protocol as p
 
@@ -241,6 +241,7 @@ class Daemon:
         for sid, gpu in list(conn.sessions.items()):
             slot = self.slots[gpu]
             self.owners.pop(sid, None)
+            self.metrics.node.forget_session(session_labels(gpu, sid, conn.name, conn.pid))
             try:
                 self.carry_out(slot, slot.scheduler.detach(sid, now), now)
             except Refused:

@@ -287,3 +287,25 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
             await peer.send(p.Attach(id=1, gpu=0))
             await trio.sleep_forever()
     daemon.allocator.store.close()
+
+
+async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None:
+    from gpud.monitor import publish
+
+    def series(session: int) -> int:
+        return sum(
+            1 for family in node.registry.collect() for sample in family.samples
+            if sample.labels.get("session") == str(session)
+        )
+
+    peer, other = await Peer.connect(node, "gone"), await Peer.connect(node, "closed")
+    detached = (await peer.call(p.Attach(id=0, gpu=0, mem_limit=2**30))).session
+    closed = (await other.call(p.Attach(id=0, gpu=1))).session
+    publish(node.daemon)
+    assert series(detached) == 5 and series(closed) == 4  # the memory limit has its own series
+    assert isinstance(await peer.call(p.Detach(id=0, session=detached)), p.Ok)
+    other.sock.close()
+    with trio.fail_after(5):
+        while node.daemon.owners:
+            await trio.sleep(0.01)
+    assert series(detached) == 0 and series(closed) == 0  # no monitor sample in between
