@@ -92,7 +92,6 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     registry = CollectorRegistry()
     daemon = Daemon(config, gpus, Metrics(registry))
     daemon.descriptor_room = descriptor_room()
-    daemon.max_connections = min(config.max_connections, daemon.descriptor_room)
     if daemon.max_connections < config.max_connections:
         log.warning("max_connections_lowered", max_connections=daemon.max_connections,
                     configured=config.max_connections, reason="RLIMIT_NOFILE leaves no room for more")

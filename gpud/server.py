@@ -69,7 +69,6 @@ class Daemon:
         self._message_counters: dict[type, Any] = {}
         self.per_uid: Counter[int] = Counter()  # open connections by peer uid
         self.descriptor_room = 1_000_000  # connections the open-file limit leaves room for (set at start)
-        self.max_connections = config.max_connections
         self.daemon_uid = os.getuid()
         self.admin_gid = admin_gid(config.admin_group)
         self.priority_rules = priority_rules(config)
@@ -200,6 +199,11 @@ class Daemon:
 
     # --- connection lifetime --------------------------------------------------
 
+    @property
+    def max_connections(self) -> int:
+        """The configured cap, lowered to what the open-file limit leaves room for."""
+        return min(self.config.max_connections, self.descriptor_room)
+
     def admission_refusal(self, uid: int) -> tuple[str, str] | None:
         """(cap, message) when a new connection from ``uid`` is refused, else None."""
         if len(self.connections) >= self.max_connections:
@@ -276,7 +280,6 @@ class Daemon:
         self.config = config
         self.admin_gid = admin_gid(config.admin_group)
         self.priority_rules = priority_rules(config)
-        self.max_connections = min(config.max_connections, self.descriptor_room)
         self.allocator.reconfigure(config)
         for slot in self.slots:
             new = scheduler_config(config, slot.gpu)
