@@ -87,7 +87,10 @@ class Allocator:
         if named is not None and (alloc := self.ledger.get(named)) is not None:
             self._check_owner(conn, named, "attach a session to")
             return alloc
-        return owning_allocation(self.ledger.allocations(), self.uids, gpu, ancestry(conn.pid), conn.uid)
+        fractional = self.ledger.fractions_on(gpu)
+        if not fractional:
+            return None  # nothing to belong to: no need to read /proc
+        return owning_allocation(fractional, self.uids, gpu, ancestry(conn.pid), conn.uid)
 
     # --- requests -----------------------------------------------------------
 
@@ -272,8 +275,6 @@ def _quotas(config: Config) -> dict[str, TenantQuota]:
 
 
 def _alive(pid: int) -> bool:
-    if not 0 < pid <= p.PID_MAX:  # not a process (a record from elsewhere): nothing to signal
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

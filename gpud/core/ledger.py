@@ -238,6 +238,10 @@ class Ledger:
     def waiting(self) -> list[Request]:
         return [self._waiting[t].request for _, _, t in self._waiters]
 
+    def fractions_on(self, gpu: int) -> list[Allocation]:
+        """The fractional allocations on ``gpu`` (their sessions are limited to their share)."""
+        return [self._allocs[t] for t, share in self._gpus[gpu].tasks.items() if share < UNIT]
+
     def gpu_free(self, index: int) -> int:
         return self._gpus[index].free
 

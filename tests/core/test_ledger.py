@@ -240,3 +240,11 @@ def test_gpus_are_converted_to_fixed_point_exactly() -> None:
     for bad in (0.00001, float("nan"), float("inf")):
         with pytest.raises(Refused):
             to_fixed(bad)
+
+
+def test_fractions_on_a_gpu_are_the_partial_allocations_there() -> None:
+    led = node()
+    led.allocate(req("quarter", 0.25, prefer=(1,)), 0)
+    led.allocate(req("whole", 1), 0)
+    assert [a.task_id for a in led.fractions_on(1)] == ["quarter"]
+    assert led.fractions_on(0) == [] and led.fractions_on(2) == []
