@@ -36,7 +36,7 @@ from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
 from gpud.requests import handle
 from gpud.server import Daemon
-from gpud.state import Connection, GpuSlot, now_us
+from gpud.state import Connection, GpuSlot
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
@@ -259,11 +259,11 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
         if deadline is None:
             await slot.wake.wait()
         else:
-            delay = (deadline - now_us()) / 1e6
+            delay = (deadline - daemon.now()) / 1e6
             if delay > 0:
                 with trio.move_on_after(delay):
                     await slot.wake.wait()
-        now = now_us()
+        now = daemon.now()
         try:
             daemon.carry_out(slot, slot.scheduler.advance(now), now)
             failures = 0
@@ -276,17 +276,17 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
 
 async def run_allocator_timer(daemon: Daemon) -> None:
     """Expire allocation waits on time; reclaim allocations of dead owners."""
-    next_reap = now_us()
+    next_reap = daemon.now()
     while True:
         daemon.allocator_wake = trio.Event()
         interval = daemon.config.reap_interval_s  # read each time: a reload changes it
         times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap if interval else None) if t is not None]
         if times:
-            with trio.move_on_after(max(0.0, (min(times) - now_us()) / 1e6)):
+            with trio.move_on_after(max(0.0, (min(times) - daemon.now()) / 1e6)):
                 await daemon.allocator_wake.wait()
         else:
             await daemon.allocator_wake.wait()
-        now = now_us()
+        now = daemon.now()
         try:
             daemon.allocator.advance(now)
             if interval and now >= next_reap:

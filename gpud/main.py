@@ -21,7 +21,6 @@ from gpud.metrics import Metrics
 from gpud import systemd
 from gpud.listener import open_listener, serve
 from gpud.server import Daemon
-from gpud.state import now_us
 
 log = structlog.get_logger("gpud")
 
@@ -169,7 +168,7 @@ def _reload(daemon: Daemon, reload_config: Callable[[], Config]) -> None:
         daemon.faults.record("reload", exc)
     else:
         try:
-            changed, later = daemon.reload(config, now_us())
+            changed, later = daemon.reload(config, daemon.now())
             configure_logging(daemon.config.log_level, daemon.config.log_format)
         except Exception as exc:
             daemon.faults.record("reload", exc)

@@ -17,7 +17,6 @@ from gpud.core.ledger import UNIT
 from gpud.devices import NvmlSampler, Reading
 from gpud.metrics import session_labels
 from gpud.server import Daemon
-from gpud.state import now_us
 
 
 log = structlog.get_logger("gpud.monitor")
@@ -42,7 +41,7 @@ async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None) -> None:
 
 def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
     m = daemon.metrics.node
-    now = now_us()
+    now = daemon.now()
     for r in readings:
         if not 0 <= r.index < len(daemon.slots):
             daemon.faults.often("nvml_reading_ignored", gpu=r.index, reason="no such GPU")
@@ -68,7 +67,7 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
 def publish(daemon: Daemon) -> None:
     """Refresh the gauges that describe state rather than events."""
     m = daemon.metrics.node
-    now = now_us()
+    now = daemon.now()
     daemon.settle_all(now)
     seen: set[tuple[str, ...]] = set()
     limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series

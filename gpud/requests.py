@@ -18,7 +18,7 @@ from gpud.core.authority import check_priority, fraction_ceilings
 from gpud.core.scheduler import Refused
 from gpud.server import Daemon
 from gpud.metrics import session_labels
-from gpud.state import Connection, GpuSlot, now_us
+from gpud.state import Connection, GpuSlot
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
 
@@ -31,7 +31,7 @@ def handle(d: Daemon, conn: Connection, msg: Any) -> msgspec.Struct | None:
         if not isinstance(msg, p.Hello):
             raise Refused(p.ErrorCode.HELLO_REQUIRED, f"send HELLO before {msg.__struct_config__.tag}")
         return hello(d, conn, msg)
-    now = now_us()
+    now = d.now()
     match msg:
         case p.Hello():
             raise Refused(p.ErrorCode.INVALID, "HELLO was already received on this connection")

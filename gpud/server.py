@@ -25,6 +25,7 @@ import grp
 import itertools
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -53,11 +54,14 @@ _GPU_REFS_KEPT = 256  # resolved GPU keys remembered (a client may send any numb
 class Daemon:
     """State shared by every connection: GPUs, schedulers, who owns what."""
 
-    def __init__(self, config: Config, gpus: list[Gpu], metrics: Metrics) -> None:
+    def __init__(
+        self, config: Config, gpus: list[Gpu], metrics: Metrics, *, clock: Callable[[], int] = now_us
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.gpus = gpus
-        self.started_at = now_us()
+        self.now = clock  # integer microseconds; a simulation passes its own
+        self.started_at = clock()
         self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
         self._gpu_refs: dict[int | str, int] = {}
@@ -93,7 +97,7 @@ class Daemon:
         if conn.closing:
             return
         data = self.encode(msg)
-        if not conn.writing and not conn.pending:
+        if conn.fd >= 0 and not conn.writing and not conn.pending:
             try:
                 sent = os.write(conn.fd, data)
             except BlockingIOError:
@@ -226,7 +230,7 @@ class Daemon:
         self, creds: tuple[int, int, int], groups: frozenset[int], fd: int, cancel: trio.CancelScope
     ) -> Connection:
         pid, uid, gid = creds
-        conn = Connection(next(self._client_ids), pid, uid, gid, groups, fd, cancel, now_us())
+        conn = Connection(next(self._client_ids), pid, uid, gid, groups, fd, cancel, self.now())
         self.connections[conn.client_id] = conn
         self.per_uid[uid] += 1
         self.metrics.node.clients.set(len(self.connections))
@@ -241,7 +245,7 @@ class Daemon:
             if self.per_uid[conn.uid] <= 0:
                 del self.per_uid[conn.uid]
         self.metrics.node.clients.set(len(self.connections))
-        now = now_us()
+        now = self.now()
         for sid, gpu in list(conn.sessions.items()):
             slot = self.slots[gpu]
             self.owners.pop(sid, None)

@@ -32,7 +32,7 @@ class Connection:
     uid: int
     gid: int
     groups: frozenset[int]  # supplementary groups, from SO_PEERGROUPS
-    fd: int
+    fd: int  # -1: an in-process connection (a simulation): every message waits in ``pending``
     cancel: trio.CancelScope  # cancelled to drop the connection at once
     connected_at: int
     pending: deque[bytes] = field(default_factory=deque)  # bytes the writer task has not sent yet

@@ -23,18 +23,15 @@ decodes as a DaemonMessage addressed to the connection that got it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import msgspec
 import structlog
@@ -43,7 +40,6 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gpud import server
 from gpud.config import Config, TenantConfig
 from gpud.core.ledger import UNIT
 from gpud.core.scheduler import Refused
@@ -124,25 +120,15 @@ def _samples(metric: Any) -> list[Any]:
 
 
 class FakeClock:
-    """Stands in for the daemon's ``now_us``: the test moves time, so every run of an example
-    sees the same daemon (with the real clock Hypothesis's data generation is flaky), and
-    deadlines seconds away pass at once."""
+    """The daemon's clock (``Daemon(clock=...)``): the test moves time, so every run of an
+    example sees the same daemon (with the real clock Hypothesis's data generation is
+    flaky), and deadlines seconds away pass at once."""
 
     def __init__(self) -> None:
         self.us = 10**12
 
     def __call__(self) -> int:
         return self.us
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """In every gpud module that imported the clock (wherever it is defined)."""
-        real = server.now_us
-        with contextlib.ExitStack() as stack:
-            for name, module in list(sys.modules.items()):
-                if name.partition(".")[0] == "gpud" and getattr(module, "now_us", None) is real:
-                    stack.enter_context(mock.patch.object(module, "now_us", self))
-            yield
 
 
 class Fuzz:
@@ -151,7 +137,7 @@ class Fuzz:
         self.clock = clock
         self.mix = data.draw(st.sampled_from(sorted(STEPS)), label="mix")
         self.registry = CollectorRegistry()
-        self.daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(self.registry))
+        self.daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(self.registry), clock=clock)
         assert self.daemon.started_at == clock.us, "the fake clock is not the daemon's"
         self.daemon.allocator.ledger._rng.seed(0)  # the "random" strategy's choices, the same every run
         self.peers: list[Peer] = []
@@ -641,7 +627,7 @@ async def test_request_handling_survives_anything(data: st.DataObject) -> None:
     state_dir = tempfile.mkdtemp(prefix="gpud-fuzz-")
     try:
         clock = FakeClock()
-        with structlog.testing.capture_logs() as logs, clock.installed():
+        with structlog.testing.capture_logs() as logs:
             fuzz = Fuzz(data, fuzz_config(data, state_dir), clock)
             try:
                 for _ in range(data.draw(st.integers(1, MAX_PEERS), label="connections at start")):
