@@ -4,12 +4,17 @@ The ledger (``gpud.core.ledger``) decides; this module checks who may ask,
 commits every change to the store before it answers (so nothing acknowledged
 is ever lost), answers waiters when the ledger serves or expires them, and
 reclaims allocations whose owner process died. It never decides placement.
+
+A change is the ledger's decision and its record, together: the ledger is
+checkpointed first, and when the store cannot record the change (disk full,
+an I/O error, the database locked) the ledger is rolled back to exactly that
+checkpoint, waiters the change would have served included, and the request
+is refused with ``store_failed``. Only then is anything answered.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 
 import structlog
 
@@ -18,6 +23,7 @@ from gpud.core.authority import check_priority, owning_allocation
 from gpud.core.ledger import (
     UNIT,
     Allocation,
+    Checkpoint,
     Expired,
     GpuSpec,
     Insufficient,
@@ -29,7 +35,7 @@ from gpud.core.ledger import (
     to_fixed,
 )
 from gpud.core.scheduler import Refused
-from gpud.store import Store
+from gpud.store import Store, StoreError
 from gpud.state import Connection, Host
 from gpud_client import protocol as p
 
@@ -46,11 +52,11 @@ class Allocator:
                              max_waiters=config.max_allocation_waiters)
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
-        except (OSError, sqlite3.Error) as exc:
-            raise RuntimeError(f"cannot open the allocation store in {config.state_dir}: {exc}") from None
-        self.uids: dict[str, int] = {}  # task id -> uid that allocated it
-        self.waiters: dict[str, tuple[Connection, int, int]] = {}  # task id -> (conn, request id, since)
-        self._restore()
+            self.uids: dict[str, int] = {}  # task id -> uid that allocated it
+            self.waiters: dict[str, tuple[Connection, int, int]] = {}  # task id -> (conn, request id, since)
+            self._restore()
+        except StoreError as exc:
+            raise RuntimeError(f"the allocation store cannot be used: {exc}") from None
 
     def _restore(self) -> None:
         """Put back what the store holds; a record that cannot be used any more is set aside
@@ -74,7 +80,7 @@ class Allocator:
         self.daemon.metrics.node.store_records_set_aside.inc()
         try:
             self.store.set_aside(task_id, reason)
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             log.error("store_failed", task_id=task_id, error=str(exc))
 
     def reconfigure(self, config: Config) -> None:
@@ -110,6 +116,7 @@ class Allocator:
             priority=priority, owner_pid=msg.owner_pid, wait_us=msg.wait_ms * 1000,
         )
         existing = self.ledger.get(msg.task_id)
+        cp = self.ledger.checkpoint()
         try:
             alloc = self.ledger.allocate(req, now)
         except Insufficient as short:
@@ -120,44 +127,46 @@ class Allocator:
             log.info("allocation_waiting", task_id=msg.task_id, wait_ms=msg.wait_ms, priority=priority)
             return None
         if existing is None:
-            self._persist(alloc, conn.uid)
+            self._store(cp, f"task {msg.task_id!r} was not allocated", put=[(alloc, conn.uid)])
+            self._made(alloc)
         return self.answer(msg.id, alloc, 0.0)
 
     def free(self, conn: Connection, task_id: str, now: int) -> None:
         alloc = self.ledger.get(task_id)
         if alloc is None and task_id not in self.waiters:
             raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
-        if alloc is not None:
-            self._check_may_free(conn, alloc)
-            try:
-                self.store.delete(task_id)  # committed before the ledger forgets it
-            except sqlite3.Error as exc:
-                log.error("store_failed", task_id=task_id, error=str(exc))
-                raise Refused(p.ErrorCode.INTERNAL, f"could not record the release durably: {exc}") from None
-            self.uids.pop(task_id, None)
-        else:
+        if alloc is None:
             waiter = self.waiters[task_id][0]
             if waiter is not conn and not self.daemon.is_admin(conn):
                 raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} waits for another client")
             self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "the wait was withdrawn")
+            self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
+            return
+        self._check_may_free(conn, alloc)
+        cp = self.ledger.checkpoint()
         _, effects = self.ledger.release(task_id, now)
+        self._store(cp, f"task {task_id!r} was not freed", delete=[task_id], effects=effects)
+        self.uids.pop(task_id, None)
         log.info("allocation_freed", task_id=task_id, by_pid=conn.pid)
         self.carry_out(effects, now)
 
     def reset(self, conn: Connection, now: int) -> None:
         if not self.daemon.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})")
-        self.store.clear()
-        self.uids.clear()
-        log.warning("allocations_reset", by_pid=conn.pid, count=len(self.ledger.allocations()))
-        for alloc in self.ledger.allocations():
-            self.carry_out(self.ledger.release(alloc.task_id, now)[1], now)
+        released = self.ledger.allocations()
+        cp = self.ledger.checkpoint()
+        effects = [e for alloc in released for e in self.ledger.release(alloc.task_id, now)[1]]
+        self._store(cp, "no allocation was released", clear=True, effects=effects)
+        for alloc in released:
+            self.uids.pop(alloc.task_id, None)
+        log.warning("allocations_reset", by_pid=conn.pid, count=len(released))
+        self.carry_out(effects, now)
 
     def connection_closed(self, conn: Connection, now: int) -> None:
         """Waits die with their connection; allocations outlive it (they are durable)."""
         for task_id in [t for t, (c, _, _) in self.waiters.items() if c is conn]:
             del self.waiters[task_id]
-            self.carry_out(self.ledger.release(task_id, now)[1], now)
+            self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
 
     # --- timers -------------------------------------------------------------
 
@@ -165,24 +174,30 @@ class Allocator:
         self.carry_out(self.ledger.advance(now), now)
 
     def reap(self, now: int) -> None:
-        """Reclaim allocations whose owner process is gone; one record's fault skips only it."""
+        """Reclaim allocations whose owner process is gone; one record's fault skips only it
+        (a reclaim the store cannot record is tried again at the next reap)."""
         for alloc in self.ledger.allocations():
             try:
                 if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
-                    self.store.delete(alloc.task_id)
-                    self.uids.pop(alloc.task_id, None)
+                    cp = self.ledger.checkpoint()
                     _, effects = self.ledger.release(alloc.task_id, now)
+                    self._store(cp, f"task {alloc.task_id!r} was not reclaimed", delete=[alloc.task_id],
+                                effects=effects)
+                    self.uids.pop(alloc.task_id, None)
                     log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
                     self.carry_out(effects, now)
+            except Refused:
+                pass  # logged by _store
             except Exception as exc:
                 self.daemon.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
 
     def carry_out(self, effects: list[LedgerEffect], now: int) -> None:
+        """Answer the waiters a stored change served, and those whose wait ran out."""
         for e in effects:
             match e:
                 case Served(allocation=alloc):
                     conn, rid, since = self.waiters.pop(alloc.task_id)
-                    self._persist(alloc, conn.uid)
+                    self._made(alloc)
                     self.daemon.send(conn, self.answer(rid, alloc, (now - since) / 1000))
                 case Expired(task_id=task_id, reason=reason):
                     self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, f"{reason.message} (waited the full wait_ms)")
@@ -216,14 +231,26 @@ class Allocator:
 
     # --- helpers ------------------------------------------------------------
 
-    def _persist(self, alloc: Allocation, uid: int) -> None:
+    def _store(
+        self, cp: Checkpoint, refusal: str, *, put: list[tuple[Allocation, int]] | None = None,
+        delete: list[str] | None = None, clear: bool = False, effects: list[LedgerEffect] | None = None,
+    ) -> None:
+        """Record one ledger change, the allocations it served included; when the store
+        cannot, roll the ledger back to ``cp`` and refuse with ``store_failed``."""
+        served = [(e.allocation, self.waiters[e.allocation.task_id][0].uid)
+                  for e in effects or [] if isinstance(e, Served)]
+        rows = (put or []) + served
         try:
-            self.store.put(alloc, uid)
-        except sqlite3.Error as exc:
-            self.ledger.release(alloc.task_id, 0)
-            log.error("store_failed", task_id=alloc.task_id, error=str(exc))
-            raise Refused(p.ErrorCode.INTERNAL, f"could not record the allocation durably: {exc}") from None
-        self.uids[alloc.task_id] = uid
+            self.store.write(put=rows, delete=delete or [], clear=clear)
+        except StoreError as exc:
+            self.ledger.rollback(cp)
+            self.daemon.metrics.node.store_failures.inc()
+            self.daemon.faults.often("store_failed", refused=refusal, error=str(exc))
+            raise Refused(p.ErrorCode.STORE_FAILED, f"{refusal}: the store could not record it ({exc})") from None
+        for alloc, uid in rows:
+            self.uids[alloc.task_id] = uid
+
+    def _made(self, alloc: Allocation) -> None:
         log.info("allocation_made", task_id=alloc.task_id, gpus=list(alloc.gpus), share=alloc.share / UNIT,
                  cpus=list(alloc.cpus), tenant=alloc.tenant, owner_pid=alloc.owner_pid)
 

@@ -69,6 +69,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     state_dir: str = "/var/lib/gpud"
     state_sync: Literal["normal", "full"] = "normal"
     reap_interval_s: Annotated[float, Meta(ge=0, le=3600)] = 5.0  # 0: never reclaim dead owners' allocations
+    # After a start that follows a crash: no lock or lease is granted for this long, so a
+    # process that held one when gpud died learns it (its connection closed) first.
+    restart_grace_s: Annotated[float, Meta(ge=0, le=60)] = 1.0
     tenants: dict[str, TenantConfig] = {}
     # Operations
     monitor_interval_s: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0  # NVML samples and gauges

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import struct
 import time
 from typing import Any
@@ -219,33 +220,73 @@ def protocol_error(daemon: Daemon, conn: Connection, rid: int | None, code: p.Er
     conn.protocol_errors[str(code)] += 1
 
 
+_PROBE_TIMEOUT_S = 1.0  # a daemon that does not accept within this is taken as live, never unlinked
+
+
 def _claim_socket_path(path: str) -> None:
-    """Create the directory; remove a stale socket, refuse a live one."""
+    """Create the directory; remove a stale socket, refuse a live one or anything not a socket."""
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if not os.path.exists(path):
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise RuntimeError(f"{path} exists and is not a socket: gpud will not remove it (remove it yourself, "
+                           f"or set socket to another path)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_TIMEOUT_S)
     try:
         probe.connect(path)
-    except OSError:
-        os.unlink(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("stale_socket_removed", socket=path)
+        os.unlink(path)  # nobody listens: left behind by a daemon that died
+    except (TimeoutError, BlockingIOError):  # its backlog is full: alive, but not accepting
+        raise RuntimeError(f"a process listens on {path} but does not accept connections: another gpud? "
+                           f"(stop it first, or set socket to another path)") from None
+    except OSError as exc:
+        raise RuntimeError(f"cannot probe the socket {path}: {exc.strerror or exc}") from None
     else:
-        raise RuntimeError(f"another daemon is listening on {path}")
+        raise RuntimeError(f"another daemon is listening on {path} (stop it first, or set socket to another path)")
     finally:
         probe.close()
 
 
-async def open_listener(config: Config, inherited: socket.socket | None = None) -> trio.SocketListener:
-    """The socket systemd passed us, or our own at ``config.socket``."""
+class OwnSocket:
+    """The socket path this daemon bound, removed at exit only if it is still ours
+    (another daemon may have replaced it meanwhile)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        st = os.stat(path)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def remove(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self.identity and stat.S_ISSOCK(st.st_mode):
+            os.unlink(self.path)
+        else:
+            log.warning("socket_not_removed", socket=self.path, reason="it is no longer the socket gpud bound")
+
+
+async def open_listener(config: Config, inherited: socket.socket | None = None) -> tuple[trio.SocketListener, OwnSocket | None]:
+    """The socket systemd passed us (it stays systemd's), or our own at ``config.socket``."""
     if inherited is not None:
-        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited))
+        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited)), None
     path = config.socket
     _claim_socket_path(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
+    try:
+        await sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    own = OwnSocket(path)
     os.chmod(path, config.socket_mode)
     sock.listen(512)
-    return trio.SocketListener(sock)
+    return trio.SocketListener(sock), own
 
 
 async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
@@ -289,7 +330,7 @@ async def run_allocator_timer(daemon: Daemon) -> None:
         now = daemon.now()
         try:
             daemon.allocator.advance(now)
-            if interval and now >= next_reap:
+            if interval and now >= next_reap and not daemon.shutting_down:
                 daemon.allocator.reap(now)
         except Exception as exc:  # the tick is skipped; the next one tries again
             daemon.faults.record("allocator", exc)

@@ -18,7 +18,7 @@ from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_m
 from gpud.devices import discover
 from gpud.logging import configure_logging
 from gpud.metrics import Metrics
-from gpud import systemd
+from gpud import lockfile, systemd
 from gpud.listener import open_listener, serve
 from gpud.server import Daemon
 
@@ -87,9 +87,27 @@ def start_metrics(config: Config, registry: CollectorRegistry) -> None:
 async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     log.info("starting", version=__version__, pid=os.getpid(), socket=config.socket, mode=str(config.mode),
              state_dir=config.state_dir, metrics_addr=config.metrics_addr)
-    gpus = discover(config.simulate)
-    registry = CollectorRegistry()
-    daemon = Daemon(config, gpus, Metrics(registry))
+    state = lockfile.acquire(config.state_dir)  # one daemon per state directory
+    clean = False
+    try:
+        grace_s = config.restart_grace_s if state.crashed_pid is not None else 0.0
+        if state.crashed_pid is not None:
+            log.warning("restarted_after_crash", previous_pid=state.crashed_pid, restart_grace_s=grace_s,
+                        hint="nothing is granted during the grace, so former holders learn they lost the lock first")
+        gpus = discover(config.simulate)
+        registry = CollectorRegistry()
+        daemon = Daemon(config, gpus, Metrics(registry), restart_grace_us=round(grace_s * 1e6))
+        try:
+            await _serve(daemon, config, registry, reload_config)
+        finally:
+            daemon.allocator.store.close()  # after the last write: every request is refused by now
+        clean = True
+    finally:
+        state.release(clean=clean)
+
+
+async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,
+                 reload_config: Callable[[], Config]) -> None:
     daemon.descriptor_room = descriptor_room()
     if daemon.max_connections < config.max_connections:
         log.warning("max_connections_lowered", max_connections=daemon.max_connections,
@@ -97,7 +115,7 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     systemd.open_notify_socket()  # now, while descriptors are free: the watchdog must ping even when none are
     start_metrics(config, registry)
     inherited = systemd.listen_fds()
-    listener = await open_listener(config, inherited[0] if inherited else None)
+    listener, own_socket = await open_listener(config, inherited[0] if inherited else None)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, daemon, listener)
@@ -117,11 +135,8 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
                     nursery.cancel_scope.cancel()
                     break
     finally:
-        if not inherited:  # an activated socket belongs to systemd
-            try:
-                os.unlink(config.socket)
-            except FileNotFoundError:
-                pass
+        if own_socket is not None:  # an activated socket belongs to systemd
+            own_socket.remove()
 
 
 # Descriptors kept for everything but client connections: the store, NVML, the metrics

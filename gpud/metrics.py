@@ -147,6 +147,8 @@ class NodeMetrics:
                                self.session_memory, self.session_memory_limit)
         self.store_records_set_aside = Counter("gpud_store_records_set_aside_total",
                                                "Stored allocations that could not be restored.", registry=registry)
+        self.store_failures = Counter("gpud_store_failures_total",
+                                      "Changes refused because the store could not record them.", registry=registry)
 
     def forget_session(self, labels: tuple[str, str, str, str]) -> None:
         """A session's series go with it, at once (the monitor refreshes the others)."""

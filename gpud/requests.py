@@ -27,6 +27,8 @@ log = structlog.get_logger("gpud.server")
 
 def handle(d: Daemon, conn: Connection, msg: Any) -> msgspec.Struct | None:
     """One decoded request -> its answer (or None). Raises Refused."""
+    if d.shutting_down:
+        raise Refused(p.ErrorCode.SHUTTING_DOWN, "gpud is shutting down; the client library reconnects when it is back")
     if not conn.greeted:
         if not isinstance(msg, p.Hello):
             raise Refused(p.ErrorCode.HELLO_REQUIRED, f"send HELLO before {msg.__struct_config__.tag}")

@@ -55,14 +55,20 @@ class Daemon:
     """State shared by every connection: GPUs, schedulers, who owns what."""
 
     def __init__(
-        self, config: Config, gpus: list[Gpu], metrics: Metrics, *, clock: Callable[[], int] = now_us
+        self, config: Config, gpus: list[Gpu], metrics: Metrics, *, clock: Callable[[], int] = now_us,
+        restart_grace_us: int = 0,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.gpus = gpus
         self.now = clock  # integer microseconds; a simulation passes its own
         self.started_at = clock()
-        self.slots = [GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at)) for g in gpus]
+        grants_from = self.started_at + restart_grace_us if restart_grace_us > 0 else None
+        self.slots = [
+            GpuSlot(g, GpuScheduler(scheduler_config(config, g), now=self.started_at, grants_from=grants_from))
+            for g in gpus
+        ]
+        self.shutting_down = False
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
         self._gpu_refs: dict[int | str, int] = {}
         self.connections: dict[int, Connection] = {}
@@ -268,11 +274,12 @@ class Daemon:
     # --- whole-daemon operations -----------------------------------------------
 
     def farewell(self, reason: str) -> None:
-        """Tell every client we are going; the store is already up to date."""
+        """Tell every client we are going; from now on every request is refused with
+        ``shutting_down``, so the store (already up to date) changes no more."""
+        self.shutting_down = True
         for conn in list(self.connections.values()):
             if conn.greeted:
                 self.send(conn, p.Goodbye(reason=reason))
-        self.allocator.store.close()
 
     def reload(self, config: Config, now: int) -> tuple[list[str], list[str]]:
         """Apply what can change live: (keys changed now, keys whose change waits for a restart).

@@ -7,7 +7,16 @@ process, ``synchronous=FULL`` (``state_sync = "full"``) also a power cut, at
 the price of an fsync per change. The standard library's sqlite3 only.
 
 Calls are synchronous and short (tens of microseconds with NORMAL): the
-daemon makes them inline rather than paying a thread hop per allocation.
+daemon makes them inline rather than paying a thread hop per allocation. So
+that the event loop never waits long, a database locked by another process
+(a backup, an operator's ``sqlite3`` shell) is waited for at most
+``BUSY_TIMEOUT_MS`` once serving; then the write fails.
+
+A write that fails (disk full, an I/O error, the database locked) raises
+``StoreError`` naming the cause; its transaction is rolled back, so the store
+is as it was. A store that cannot be used at start-up (not a database,
+damaged, written by a newer gpud, a state directory gpud may not write)
+raises ``StoreError`` saying what is wrong and what to do.
 
 Records are decoded with the protocol's bounds, one by one: a row that does not
 decode (corrupt, or written with values no client may send) is reported by
@@ -20,6 +29,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -41,7 +51,14 @@ CREATE TABLE IF NOT EXISTS set_aside (
     at      REAL NOT NULL
 );
 """
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 5  # the longest a write waits for another process's lock while serving
+OPEN_BUSY_TIMEOUT_MS = 2000  # at start-up, before anything is served
+_MOVE_AWAY = "move it away (gpud then starts with no allocations) or restore it from a backup"
+
+
+class StoreError(Exception):
+    """The store could not be read or written; a failed write changed nothing."""
 
 
 _Index = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
@@ -67,36 +84,102 @@ class Loaded:
 
 class Store:
     def __init__(self, state_dir: str, *, sync: Literal["normal", "full"] = "normal") -> None:
-        os.makedirs(state_dir, mode=0o750, exist_ok=True)
         self.path = os.path.join(state_dir, "allocations.sqlite3")
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={sync.upper()}")
-        self._db.executescript(_SCHEMA)
-        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        try:
+            os.makedirs(state_dir, mode=0o750, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the state directory {state_dir}: {exc.strerror} "
+                             f"(create it, writable by uid {os.getuid()}, or set state_dir)") from None
+        if not os.access(state_dir, os.W_OK | os.X_OK):
+            raise StoreError(f"the state directory {state_dir} is not writable by uid {os.getuid()}: gpud keeps its "
+                             f"allocations there (fix its owner or mode, or set state_dir)")
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(_Record)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                       timeout=OPEN_BUSY_TIMEOUT_MS / 1000)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open {self.path}: {exc}") from None
+        try:
+            self._open(sync)
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise StoreError(self._explain_open(exc)) from None
+        except StoreError:
+            self._db.close()
+            raise
 
-    def put(self, alloc: Allocation, uid: int) -> None:
-        record = _Record(alloc.task_id, list(alloc.gpus), alloc.share, list(alloc.cpus), alloc.tenant,
-                         alloc.priority, alloc.owner_pid, alloc.created_us, uid)
-        with self._db:  # one transaction, committed on exit
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR REPLACE INTO allocations VALUES (?, ?)", (alloc.task_id, self._enc.encode(record)))
+    def _open(self, sync: str) -> None:
+        db = self._db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={sync.upper()}")
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "meta" in tables:
+            row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            version = int(row[0]) if row is not None and str(row[0]).isdigit() else None
+            if version is None:
+                raise StoreError(f"{self.path} has no readable schema version: it is not a gpud store; {_MOVE_AWAY}")
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} was written by a newer gpud (store schema {version}; this gpud reads schema "
+                    f"{SCHEMA_VERSION} and older): upgrade gpud, or {_MOVE_AWAY}"
+                )
+        (verdict,) = db.execute("PRAGMA quick_check").fetchone()
+        if verdict != "ok":
+            raise StoreError(f"{self.path} is damaged (SQLite quick_check: {verdict}); {_MOVE_AWAY}")
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
-    def delete(self, task_id: str) -> None:
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("DELETE FROM allocations WHERE task_id = ?", (task_id,))
+    def _explain_open(self, exc: sqlite3.Error) -> str:
+        text = str(exc)
+        if "not a database" in text or "malformed" in text:
+            return f"{self.path} is not a readable gpud store (SQLite: {text}); {_MOVE_AWAY}"
+        if "locked" in text or "busy" in text:
+            return f"{self.path} is locked by another process (SQLite: {text}); stop it, then start gpud again"
+        if "readonly" in text or "unable to open" in text:
+            return f"{self.path} cannot be written by uid {os.getuid()} (SQLite: {text}); fix its owner or mode"
+        return f"cannot use {self.path} (SQLite: {text})"
 
-    def clear(self) -> None:
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("DELETE FROM allocations")
+    def write(self, put: Iterable[tuple[Allocation, int]] = (), delete: Iterable[str] = (), *,
+              clear: bool = False) -> None:
+        """One change, in one transaction: all of it is stored, or none (``StoreError``)."""
+        rows = [(a.task_id, self._enc.encode(self._record(a, uid))) for a, uid in put]
+
+        def change(db: sqlite3.Connection) -> None:
+            if clear:
+                db.execute("DELETE FROM allocations")
+            db.executemany("DELETE FROM allocations WHERE task_id = ?", [(t,) for t in delete])
+            db.executemany("INSERT OR REPLACE INTO allocations VALUES (?, ?)", rows)
+
+        self._transaction(change)
+
+    def _transaction(self, change: Callable[[sqlite3.Connection], None]) -> None:
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                change(db)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StoreError(f"{exc} (store {self.path})") from None
+
+    @staticmethod
+    def _record(alloc: Allocation, uid: int) -> _Record:
+        return _Record(alloc.task_id, list(alloc.gpus), alloc.share, list(alloc.cpus), alloc.tenant,
+                       alloc.priority, alloc.owner_pid, alloc.created_us, uid)
 
     def load(self) -> Loaded:
         out = Loaded()
-        for task_id, blob in self._db.execute("SELECT task_id, record FROM allocations ORDER BY rowid"):
+        try:
+            rows = self._db.execute("SELECT task_id, record FROM allocations ORDER BY rowid").fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(self._explain_open(exc)) from None
+        for task_id, blob in rows:
             try:
                 r = self._dec.decode(blob)
                 if r.task_id != task_id:
@@ -111,13 +194,13 @@ class Store:
 
     def set_aside(self, task_id: str, reason: str) -> None:
         """Move a record that cannot be used out of the allocations, keeping it for a person."""
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(
-                "INSERT INTO set_aside SELECT task_id, record, ?, ? FROM allocations WHERE task_id = ?",
-                (reason, time.time(), task_id),
-            )
-            self._db.execute("DELETE FROM allocations WHERE task_id = ?", (task_id,))
+
+        def move(db: sqlite3.Connection) -> None:
+            db.execute("INSERT INTO set_aside SELECT task_id, record, ?, ? FROM allocations WHERE task_id = ?",
+                       (reason, time.time(), task_id))
+            db.execute("DELETE FROM allocations WHERE task_id = ?", (task_id,))
+
+        self._transaction(move)
 
     def close(self) -> None:
         self._db.close()

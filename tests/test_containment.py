@@ -96,7 +96,7 @@ async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
                     reap_interval_s=0)
     registry = CollectorRegistry()
     daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(registry))
-    listener = await open_listener(config)
+    listener, _ = await open_listener(config)
     await nursery.start(serve, daemon, listener)
     try:
         yield Node(daemon, registry, config.socket)
@@ -273,7 +273,7 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
     workdir = tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp")
     config = Config(socket=os.path.join(workdir, "s"), state_dir=os.path.join(workdir, "st"), metrics_addr="off")
     daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()))
-    listener = await open_listener(config)
+    listener, _ = await open_listener(config)
 
     def corrupt(d: Daemon, conn: Any, msg: Any, now: int) -> Any:
         daemon.slots[0].scheduler._queue.append((0, 0, 12345))  # a queued session that does not exist

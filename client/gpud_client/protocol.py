@@ -86,6 +86,7 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     SHUTTING_DOWN = "shutting_down"
     LIMIT_REACHED = "limit_reached"  # a cap of the daemon (connections, sessions, queues...): the message names it
+    STORE_FAILED = "store_failed"  # the change could not be stored durably, so it was not made: try again
     INTERNAL = "internal"
 
 

@@ -19,6 +19,10 @@ Rules kept here:
   ``max_waiters`` wait at once; one more that would wait is refused.
 - A restored record must fit the node as it is now and the other records,
   with sane values, or it is refused (the shell sets it aside).
+- Withdrawing a wait frees nothing, so it serves no one.
+- ``checkpoint`` / ``rollback``: the shell takes a checkpoint before a change
+  and rolls back to it when the change cannot be stored, so the ledger is
+  exactly what it was, waiters that the change would have served included.
 
 A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
 (the node is too full) and changes nothing. Pure: no clock, no storage; time
@@ -27,10 +31,10 @@ is integer microseconds passed in.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpud.core.scheduler import LimitReached, Refused
 from gpud_client.protocol import ErrorCode, Strategy
@@ -131,6 +135,20 @@ class _Gpu:
     tasks: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The ledger's whole state at one moment (see ``Ledger.checkpoint``)."""
+
+    gpus: dict[int, tuple[int, dict[str, int]]]
+    free_cpus: frozenset[int]
+    allocs: dict[str, Allocation]
+    waiters: list[tuple[int, int, str]]
+    waiting: dict[str, tuple[Request, int, Insufficient]]
+    seq: int
+    rr_last: int
+    rng: tuple[Any, ...]
+
+
 class Ledger:
     def __init__(
         self,
@@ -150,7 +168,7 @@ class Ledger:
         self._allocs: dict[str, Allocation] = {}
         self._waiters: list[tuple[int, int, str]] = []  # (-priority, seq, task_id)
         self._waiting: dict[str, _Waiter] = {}
-        self._seq = itertools.count()
+        self._seq = 0
         self._rng = random.Random(seed)
         self._rr_last = -1
         self._max_waiters = max_waiters
@@ -177,21 +195,43 @@ class Ledger:
                     "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
                 ) from None
             self._waiting[req.task_id] = _Waiter(req, now + req.wait_us, short)
-            self._waiters.append((-req.priority, next(self._seq), req.task_id))
+            self._seq += 1
+            self._waiters.append((-req.priority, self._seq, req.task_id))
             self._waiters.sort()
             return None
 
     def release(self, task_id: str, now: int) -> tuple[Allocation | None, list[LedgerEffect]]:
-        """Free a task's allocation (or withdraw its wait); serve waiters that now fit."""
+        """Free a task's allocation and serve waiters that now fit, or withdraw its wait."""
         alloc = self._allocs.pop(task_id, None)
-        if alloc is not None:
-            for g in alloc.gpus:
-                gpu = self._gpus[g]
-                gpu.free += gpu.tasks.pop(task_id)
-            self._free_cpus.update(alloc.cpus)
-        elif task_id in self._waiting:
-            self._unwait(task_id)
+        if alloc is None:
+            if task_id in self._waiting:
+                self._unwait(task_id)
+            return None, []
+        for g in alloc.gpus:
+            gpu = self._gpus[g]
+            gpu.free += gpu.tasks.pop(task_id)
+        self._free_cpus.update(alloc.cpus)
         return alloc, self._serve(now)
+
+    def checkpoint(self) -> Checkpoint:
+        """A copy of the whole state, to ``rollback`` to if a change cannot be stored."""
+        return Checkpoint(
+            gpus={i: (g.free, dict(g.tasks)) for i, g in self._gpus.items()},
+            free_cpus=frozenset(self._free_cpus), allocs=dict(self._allocs), waiters=list(self._waiters),
+            waiting={t: (w.request, w.deadline, w.last_reason) for t, w in self._waiting.items()},
+            seq=self._seq, rr_last=self._rr_last, rng=self._rng.getstate(),
+        )
+
+    def rollback(self, cp: Checkpoint) -> None:
+        """Back to exactly the state of ``cp``."""
+        for i, (free, tasks) in cp.gpus.items():
+            self._gpus[i].free, self._gpus[i].tasks = free, dict(tasks)
+        self._free_cpus = set(cp.free_cpus)
+        self._allocs = dict(cp.allocs)
+        self._waiters = list(cp.waiters)
+        self._waiting = {t: _Waiter(*w) for t, w in cp.waiting.items()}
+        self._seq, self._rr_last = cp.seq, cp.rr_last
+        self._rng.setstate(cp.rng)
 
     def restore(self, alloc: Allocation) -> None:
         """Put back an allocation read from the store at start-up (ValueError: it cannot be)."""

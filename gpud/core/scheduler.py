@@ -35,6 +35,11 @@ Rules kept here:
   0 (GPU_BUSY) or queue_limit waiters are already queued (QUEUE_FULL), and
   removed at max_wait (TIMEOUT). A lease held past hold_max is reported once
   (the watchdog) and, if configured, released by force.
+- Restart grace (``grants_from``): before that time nothing is granted, lock
+  or lease; requests queue as usual (a lease that may not wait is refused as
+  busy) and are served in order when it ends. gpud sets it after a start that
+  follows a crash, so that a process that held the lock when the daemon died
+  learns it (its connection closed) before anyone else is granted.
 
 Every call takes ``now`` (integer microseconds) and returns effects for the
 shell to carry out; ``next_deadline()`` says when to call ``advance``. A refused
@@ -184,9 +189,13 @@ class _Session:
 class GpuScheduler:
     """The scheduler of one GPU. See the module comment for the rules."""
 
-    def __init__(self, config: SchedulerConfig = SchedulerConfig(), *, enabled: bool = True, now: int = 0) -> None:
+    def __init__(
+        self, config: SchedulerConfig = SchedulerConfig(), *, enabled: bool = True, now: int = 0,
+        grants_from: int | None = None,
+    ) -> None:
         self._cfg = config
         self._enabled = enabled
+        self._grants_from = grants_from  # no grant before this time (the restart grace), then None
         self._acc = ComputeAccounts(config.quota, now)
         self._sessions: dict[int, _Session] = {}
         self._running: dict[int, _Session] = {}  # insertion order = grant order
@@ -265,6 +274,7 @@ class GpuScheduler:
         if lease in self._sessions:
             raise Refused(ErrorCode.INVALID, f"lease {lease} already exists")
         s = _Session(lease, priority, mem_estimate=mem_estimate, lease=True, hold_max_us=hold_max_us)
+        self._end_grace(now)
         if self._enabled and not self._admissible_now(s):
             if max_wait_us == 0:
                 return [LeaseDenied(lease, LeaseReason.GPU_BUSY), *self._settle(now)]
@@ -383,6 +393,8 @@ class GpuScheduler:
                 deadline = self._sessions[sid].wait_deadline
                 if deadline is not None:
                     times.append(deadline)
+        if self._grants_from is not None and self._queue:
+            times.append(self._grants_from)
         quota = self._acc.next_deadline()
         if quota is not None:
             times.append(quota)
@@ -536,6 +548,7 @@ class GpuScheduler:
     def _settle(self, now: int) -> list[Effect]:
         """Apply every rule that is due at ``now``, in order."""
         effects: list[Effect] = []
+        self._end_grace(now)
         self._acc.settle(now)
         self._revoke_unresponsive(now, effects)
         if self._enabled:
@@ -547,6 +560,10 @@ class GpuScheduler:
             self._admit(now, effects)  # a waiter that left may have blocked the others
         self._drop_expired(now, effects)
         return effects
+
+    def _end_grace(self, now: int) -> None:
+        if self._grants_from is not None and now >= self._grants_from:
+            self._grants_from = None
 
     def _watch_leases(self, now: int, effects: list[Effect]) -> None:
         for s in list(self._running.values()):
@@ -579,6 +596,8 @@ class GpuScheduler:
 
     def _admissible_now(self, s: _Session) -> bool:
         """Would ``s`` be granted at once if it joined the queue now?"""
+        if self._grants_from is not None:
+            return False
         ahead = self._blocked_waiter()
         return (ahead is None or ahead.priority < s.priority) and self._fits(s)
 
@@ -620,6 +639,8 @@ class GpuScheduler:
         return not self._enabled or self._fits_beside(s, list(self._running.values()))
 
     def _admit(self, now: int, effects: list[Effect]) -> None:
+        if self._grants_from is not None:
+            return  # the restart grace: requests wait
         while (s := self._next_admissible()) is not None:
             if not self._fits(s):
                 self._preempt_for(s, now, effects)

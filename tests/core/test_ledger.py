@@ -248,3 +248,54 @@ def test_fractions_on_a_gpu_are_the_partial_allocations_there() -> None:
     led.allocate(req("whole", 1), 0)
     assert [a.task_id for a in led.fractions_on(1)] == ["quarter"]
     assert led.fractions_on(0) == [] and led.fractions_on(2) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([0.25, 0.5, 1, 2]), st.booleans()), max_size=12),
+       st.sampled_from("abcdef"), st.sampled_from(["release", "allocate", "advance"]))
+def test_rollback_restores_exactly_the_checkpointed_state(
+    ops: list[tuple[str, float, bool]], task: str, change: str
+) -> None:
+    """Whatever the change (a release serving waiters, an allocation, expiries), a
+    rollback leaves the ledger as it was: what the shell relies on when a write fails."""
+    led = node(gpus=2, cpus=4)
+    for t, gpus, wait in ops:
+        try:
+            led.allocate(req(t, gpus, cpus=1, wait_us=100 * MS if wait else 0, strategy=Strategy.RANDOM), 0)
+        except (Insufficient, Refused):
+            pass
+    before, rng = state_of(led), led._rng.getstate()
+    cp = led.checkpoint()
+    try:
+        if change == "release":
+            led.release(task, 1)
+        elif change == "allocate":
+            led.allocate(req(task + "x", 0.5, cpus=1, wait_us=MS, strategy=Strategy.RANDOM), 1)
+        else:
+            led.advance(200 * MS)
+    except (Insufficient, Refused):
+        pass
+    led.rollback(cp)
+    assert state_of(led) == before and led._rng.getstate() == rng
+
+
+def test_a_rolled_back_release_keeps_the_waiter_it_served_waiting() -> None:
+    led = node(gpus=1, cpus=2)
+    led.allocate(req("a", 1), 0)
+    assert led.allocate(req("b", 1, wait_us=10 * MS), 0) is None
+    cp = led.checkpoint()
+    _, effects = led.release("a", 1)
+    assert [type(e) for e in effects] == [Served]
+    led.rollback(cp)
+    assert led.get("a") is not None and led.get("b") is None
+    assert [r.task_id for r in led.waiting()] == ["b"]
+    _, effects = led.release("a", 2)  # the same change, tried again, serves it
+    assert [e.allocation.task_id for e in effects if isinstance(e, Served)] == ["b"]
+
+
+def test_withdrawing_a_wait_serves_no_one() -> None:
+    led = node(gpus=1, cpus=2)
+    led.allocate(req("a", 1), 0)
+    led.allocate(req("b", 1, wait_us=10 * MS), 0)
+    assert led.release("b", 1) == (None, [])
+    assert led.waiting() == []

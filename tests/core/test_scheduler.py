@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.core.scheduler import Drop, Grant, GpuScheduler, Refused, Revoke, SchedulerConfig
-from gpud_client.protocol import DropReason, ErrorCode, RevokeReason
+from gpud.core.scheduler import Drop, Grant, GpuScheduler, LeaseDenied, Refused, Revoke, SchedulerConfig
+from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, RevokeReason
 
 from .statecheck import state_of
 
@@ -223,3 +223,27 @@ def test_attach_twice_and_unknown_sessions_are_refused() -> None:
     assert err.value.code == ErrorCode.UNKNOWN_SESSION
     with pytest.raises(Refused):
         s.detach(5, 0)
+
+
+def test_nothing_is_granted_during_the_restart_grace_then_in_queue_order() -> None:
+    s = GpuScheduler(SchedulerConfig(tq_us=TQ, drop_timeout_us=DROP_TIMEOUT), now=0, grants_from=S)
+    for sid in (1, 2):
+        s.attach(sid, 0)
+    assert s.request(2, 10) == [] and s.request(1, 20) == []
+    assert s.next_deadline() == S  # the timer wakes when the grace ends
+    assert s.advance(S - 1) == [] and s.holders() == []
+    assert s.advance(S) == [Grant(2, 1, S - 10)]
+    assert s.release(2, S + 5) == [Grant(1, 2, S + 5 - 20)]
+
+
+def test_a_lease_that_may_not_wait_is_refused_as_busy_during_the_grace() -> None:
+    s = GpuScheduler(SchedulerConfig(), now=0, grants_from=S)
+    effects = s.acquire_lease(7, 10, priority=50, max_wait_us=0, hold_max_us=S, queue_limit=8)
+    assert effects == [LeaseDenied(7, LeaseReason.GPU_BUSY)]
+    s.acquire_lease(8, 10, priority=50, max_wait_us=2 * S, hold_max_us=S, queue_limit=8)
+    assert s.advance(S)[0] == Grant(8, 1, S - 10)
+
+
+def test_the_grace_ends_on_time_for_a_gpu_nobody_asked_for_meanwhile() -> None:
+    s = GpuScheduler(SchedulerConfig(), now=0, grants_from=S)
+    assert s.acquire_lease(7, S, priority=50, max_wait_us=0, hold_max_us=S, queue_limit=8)[0] == Grant(7, 1)
