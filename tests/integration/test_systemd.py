@@ -66,6 +66,20 @@ def test_the_units_keep_the_gpu_devices_reachable() -> None:
     assert "g gpud " in (ROOT / "systemd" / "gpud.sysusers.conf").read_text()
 
 
+def _size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def test_the_unit_protects_the_node_from_gpud_and_gpud_from_the_oom_killer() -> None:
+    settings = dict(line.split("=", 1) for line in (ROOT / "systemd" / "gpud.service").read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert -1000 < int(settings["OOMScoreAdjust"]) < 0  # killed after the jobs, never made unkillable
+    high, top = _size(settings["MemoryHigh"]), _size(settings["MemoryMax"])
+    assert 256 * 2**20 <= high < top <= 4 * 2**30  # far above the soak's RSS, bounded all the same
+    assert 16 <= int(settings["TasksMax"]) <= 1024
+
+
 class NotifyListener:
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
