@@ -120,27 +120,29 @@ class Reading:
 class NvmlSampler:
     """Reads utilisation, memory and per-process memory of real GPUs.
 
-    Blocking (NVML calls can stall on a sick GPU): the daemon runs ``sample``
-    in a worker thread, never on its event loop. A GPU whose calls fail is
-    reported unhealthy; the others are read as usual."""
+    Blocking, and a sick GPU's calls may never return: the daemon reads each GPU
+    with ``sample_gpu`` in a worker thread of its own (see ``gpud.monitor``),
+    never on its event loop. A GPU whose calls fail is reported unhealthy."""
 
     def __init__(self, nvml: Any, gpus: list[Gpu]) -> None:
         self.nvml = nvml
         self.gpus = [g for g in gpus if not g.simulated]
 
+    def sample_gpu(self, gpu: Gpu) -> Reading:
+        """One GPU's reading; an NVML error is an unhealthy reading, not an exception."""
+        try:
+            h = self.nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
+            util = self.nvml.nvmlDeviceGetUtilizationRates(h)
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            per_pid = {int(pr.pid): int(pr.usedGpuMemory or 0) for pr in procs}
+            return Reading(gpu.index, True, int(mem.used), float(util.gpu) / 100, per_pid)
+        except Exception as exc:  # NVMLError_GpuIsLost and friends
+            return Reading(gpu.index, False, error=_text(exc) or type(exc).__name__)
+
     def sample(self) -> list[Reading]:
-        out = []
-        for g in self.gpus:
-            try:
-                h = self.nvml.nvmlDeviceGetHandleByIndex(g.index)
-                mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
-                util = self.nvml.nvmlDeviceGetUtilizationRates(h)
-                procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
-                per_pid = {int(pr.pid): int(pr.usedGpuMemory or 0) for pr in procs}
-                out.append(Reading(g.index, True, int(mem.used), float(util.gpu) / 100, per_pid))
-            except Exception as exc:  # NVMLError_GpuIsLost and friends
-                out.append(Reading(g.index, False, error=str(exc) or type(exc).__name__))
-        return out
+        """Every GPU in turn: one hung GPU stalls them all (the monitor uses ``sample_gpu``)."""
+        return [self.sample_gpu(g) for g in self.gpus]
 
 
 def sampler_for(gpus: list[Gpu], nvml: Any = None) -> NvmlSampler | None:

@@ -1,20 +1,31 @@
-"""Periodic observation: NVML samples and the per-GPU and per-session gauges.
+"""Periodic observation: NVML probes, GPU health, and the per-GPU and per-session gauges.
 
-NVML is read in a worker thread so a stalled driver never blocks scheduling.
-Readings feed the metrics, mark GPUs healthy or not (an unhealthy GPU is
-logged and shown, never fatal), and report each client process's GPU memory
-(found by the peer pid from SO_PEERCRED) to its sessions: the daemon's own
-check of memory limits, beside what clients report.
+Each real GPU is read in a worker thread of its own (a probe), so a GPU whose
+NVML call hangs delays neither the other GPUs' readings, nor the gauges, nor the
+event loop. When to probe and when a GPU is unhealthy is decided by
+``gpud.core.health``: never two probes of one GPU out at once (a hung driver
+call holds one thread, not a growing pile); unhealthy once a probe has been out
+for 1.5 monitor intervals or raised; healthy again when a probe returns. A probe
+is abandoned when the monitor is cancelled, and trio's worker threads are daemon
+threads, so shutdown never waits for a call that will not return.
+
+Readings feed the metrics and report each client process's GPU memory (found by
+the peer pid from SO_PEERCRED) to its sessions: the daemon's own check of memory
+limits, beside what clients report. Health changes are logged once each,
+set ``gpud_gpu_healthy`` and ``slot.healthy`` (shown by STATUS); an unhealthy
+GPU is never fatal and keeps being scheduled.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, assert_never
 
 import structlog
 import trio
 
+from gpud.core.health import GpuHealth, HealthEffect, HealthyAgain, Probe, Unhealthy
 from gpud.core.ledger import UNIT
-from gpud.devices import NvmlSampler, Reading
+from gpud.devices import Gpu, Reading
 from gpud.metrics import session_labels
 from gpud.server import Daemon
 
@@ -22,46 +33,135 @@ from gpud.server import Daemon
 log = structlog.get_logger("gpud.monitor")
 
 
-async def run_monitor(daemon: Daemon, sampler: NvmlSampler | None) -> None:
-    m = daemon.metrics.node
-    for slot in daemon.slots:
-        g = slot.gpu
-        m.gpu_info.labels(g.index, g.uuid, g.name).set(1)
-        m.memory_total.labels(g.index).set(g.memory_total_bytes)
-        m.gpu_healthy.labels(g.index).set(1)
-    while True:
+class Sampler(Protocol):
+    """Reads one GPU, blocking (``gpud.devices.NvmlSampler``)."""
+
+    @property
+    def gpus(self) -> list[Gpu]: ...
+
+    def sample_gpu(self, gpu: Gpu) -> Reading: ...
+
+
+async def run_monitor(daemon: Daemon, sampler: Sampler | None) -> None:
+    await Monitor(daemon, sampler).run()
+
+
+def _interval_us(daemon: Daemon) -> int:
+    return max(1, round(daemon.config.monitor_interval_s * 1_000_000))  # read each time: a reload changes it
+
+
+class Monitor:
+    """Starts the probes the health rules ask for, carries out their verdicts, refreshes the gauges."""
+
+    def __init__(self, daemon: Daemon, sampler: Sampler | None) -> None:
+        self.daemon = daemon
+        self.sampler = sampler
+        self._gpus = {g.index: g for g in sampler.gpus} if sampler is not None else {}
+        self.health = GpuHealth(self._gpus, interval_us=_interval_us(daemon), now=daemon.now())
+        # At most one thread per GPU is ever out; a limiter of our own keeps hung ones
+        # from holding tokens of trio's default limiter, which other work shares.
+        self._limiter = trio.CapacityLimiter(max(1, len(self._gpus)))
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        m = self.daemon.metrics.node
+        for slot in self.daemon.slots:
+            g = slot.gpu
+            m.gpu_info.labels(g.index, g.uuid, g.name).set(1)
+            m.memory_total.labels(g.index).set(g.memory_total_bytes)
+            m.gpu_healthy.labels(g.index).set(1 if slot.healthy else 0)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            next_publish = self.daemon.now()
+            while True:
+                self._wake = trio.Event()
+                deadline, next_publish = self._tick(next_publish)
+                with trio.move_on_after(max(0.0, (deadline - self.daemon.now()) / 1e6)):
+                    await self._wake.wait()
+
+    def _tick(self, next_publish: int) -> tuple[int, int]:
+        """Start the probes due, judge the ones out too long, refresh the gauges when
+        due; returns when to wake next and when to refresh next."""
+        now = self.daemon.now()
+        interval = _interval_us(self.daemon)
         try:
-            readings = await trio.to_thread.run_sync(sampler.sample) if sampler else []
-            apply_readings(daemon, readings)
-            publish(daemon)
-        except Exception as exc:  # this sample is skipped; the next one tries again
-            daemon.faults.record("monitor", exc)
-        await trio.sleep(daemon.config.monitor_interval_s)  # read each time: a reload changes it
+            self.health.set_interval(interval)
+            self.carry_out(self.health.advance(now))
+            due = self.health.next_deadline()
+        except Exception as exc:  # this tick is skipped; the next one, an interval on, tries again
+            self.daemon.faults.record("monitor", exc)
+            due = now + interval
+        if now >= next_publish:
+            next_publish = now + interval
+            try:
+                publish(self.daemon)
+            except Exception as exc:  # this refresh is skipped; the next one tries again
+                self.daemon.faults.record("monitor", exc)
+        return (next_publish if due is None else min(next_publish, due)), next_publish
+
+    async def _probe(self, gpu: Gpu) -> None:
+        assert self.sampler is not None
+        try:
+            reading = await trio.to_thread.run_sync(
+                self.sampler.sample_gpu, gpu, abandon_on_cancel=True, limiter=self._limiter,
+                thread_name=f"gpud nvml gpu {gpu.index}",
+            )
+        except Exception as exc:  # a sampler that raises: this GPU's call failed
+            reading = Reading(gpu.index, False, error=f"{type(exc).__name__}: {exc}")
+        error = None if reading.healthy else (reading.error or "NVML error")
+        try:
+            self.carry_out(self.health.finished(gpu.index, self.daemon.now(), error))
+            if reading.healthy:
+                apply_readings(self.daemon, [reading])
+        except Exception as exc:  # this reading is skipped; the next one tries again
+            self.daemon.faults.record("monitor", exc, gpu=gpu.index)
+        self._wake.set()  # its next probe may be due before the monitor's sleep ends
+
+    def carry_out(self, effects: list[HealthEffect]) -> None:
+        for e in effects:
+            match e:
+                case Probe(gpu=index):
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._probe, self._gpus[index])
+                case Unhealthy(gpu=index, reason=reason, hung_us=hung_us):
+                    _show_health(self.daemon, index, False)
+                    extra = {} if hung_us is None else {"hung_ms": hung_us // 1000}
+                    log.warning("gpu_unhealthy", gpu=index, reason=reason, **extra)
+                case HealthyAgain(gpu=index, unhealthy_us=unhealthy_us):
+                    _show_health(self.daemon, index, True)
+                    log.info("gpu_healthy_again", gpu=index, unhealthy_ms=unhealthy_us // 1000)
+                case _:
+                    assert_never(e)
+
+
+def _show_health(daemon: Daemon, index: int, healthy: bool) -> None:
+    if 0 <= index < len(daemon.slots):
+        daemon.slots[index].healthy = healthy
+        daemon.metrics.node.gpu_healthy.labels(index).set(1 if healthy else 0)
 
 
 def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
+    """Gauges and per-process memory from healthy readings, at once (health itself
+    is the health rules' to decide: see ``Monitor.carry_out``)."""
     m = daemon.metrics.node
     now = daemon.now()
     for r in readings:
         if not 0 <= r.index < len(daemon.slots):
             daemon.faults.often("nvml_reading_ignored", gpu=r.index, reason="no such GPU")
             continue
-        slot = daemon.slots[r.index]
-        if r.healthy != slot.healthy:
-            slot.healthy = r.healthy
-            if r.healthy:
-                log.info("gpu_healthy_again", gpu=r.index)
-            else:
-                log.warning("gpu_unhealthy", gpu=r.index, error=r.error)
-        m.gpu_healthy.labels(r.index).set(1 if r.healthy else 0)
         if not r.healthy:
             continue
+        slot = daemon.slots[r.index]
         m.memory_used.labels(r.index).set(r.memory_used_bytes)
         m.utilization.labels(r.index).set(r.utilization_ratio)
         for sid, conn in list(daemon.owners.items()):
             used = (r.process_memory or {}).get(conn.pid)
             if used is not None and conn.sessions.get(sid) == r.index and not daemon.arbiter.owns(sid):
                 daemon.carry_out(slot, slot.scheduler.report_memory(sid, used, now), now)
+                # At once, as the GPU's own gauges: the reading came between two refreshes.
+                labels = session_labels(r.index, sid, conn.name, conn.pid)
+                m.session_memory.labels(*labels).set(slot.scheduler.session(sid, now).mem_used or 0)
 
 
 def publish(daemon: Daemon) -> None:

@@ -23,10 +23,11 @@ from prometheus_client import CollectorRegistry
 
 import gpud.allocator
 import gpud.listener
+import gpud.monitor
 import gpud.requests
 from gpud.config import Config
 from gpud.core.scheduler import Inconsistent
-from gpud.devices import Reading, simulated_gpus
+from gpud.devices import Gpu, Reading, simulated_gpus
 from gpud.listener import open_listener, serve
 from gpud.metrics import Metrics
 from gpud.monitor import run_monitor
@@ -249,16 +250,23 @@ async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
     assert [a.task_id for a in node.daemon.allocator.ledger.allocations()] == ["t0"]
 
 
-async def test_a_monitor_sample_that_fails_is_skipped(node: Node) -> None:
+async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     class Flaky:
         calls = 0
+        gpus = [Gpu(7, "GPU-ghost", "ghost", 2**30, False)]  # a GPU the daemon does not have: ignored
 
-        def sample(self) -> list[Reading]:
+        def sample_gpu(self, gpu: Gpu) -> Reading:
             Flaky.calls += 1
-            if Flaky.calls == 1:
-                raise RuntimeError("NVML said something odd")
-            return [Reading(index=7, healthy=True)]  # a GPU that does not exist: ignored
+            return Reading(index=gpu.index, healthy=True)
 
+    real_publish = gpud.monitor.publish
+
+    def publish(daemon: Daemon) -> None:
+        if Flaky.calls == 1:
+            raise RuntimeError("a gauge refresh that fails")
+        real_publish(daemon)
+
+    monkeypatch.setattr(gpud.monitor, "publish", publish)
     node.daemon.config = msgspec.structs.replace(node.daemon.config, monitor_interval_s=0.05)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_monitor, node.daemon, Flaky())  # type: ignore[arg-type]

@@ -2,13 +2,20 @@
 
 The GPUs are described by the JSON file named in $FAKE_NVML_STATE, read on
 every call, so a test can change memory, utilisation, per-process memory, or
-make a GPU "lost" while the daemon runs.
+make a GPU fail while the daemon runs. In a GPU's entry:
+- ``"lost": true``: its calls raise NVMLError("GPU is lost");
+- ``"hang": true``: its calls block, re-reading the file every 20 ms, and go on
+  once the flag is cleared (a hang that recovers);
+- ``"hang": "forever"``: its calls block for good, as a call stuck in the driver
+  does (the thread waits on a lock, holding no GIL), whatever the file says later.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,8 +29,16 @@ def _state() -> dict[str, Any]:
         return json.load(f)
 
 
+_HANG_POLL_S = 0.02
+
+
 def _gpu(handle: int) -> dict[str, Any]:
     gpu = _state()["gpus"][handle]
+    while gpu.get("hang"):
+        if gpu["hang"] == "forever":
+            threading.Event().wait()  # never set
+        time.sleep(_HANG_POLL_S)
+        gpu = _state()["gpus"][handle]
     if gpu.get("lost"):
         raise NVMLError("GPU is lost")
     return gpu

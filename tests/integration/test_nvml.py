@@ -1,14 +1,17 @@
 """A daemon on "real" GPUs through a stand-in NVML module: discovery, sampling,
-per-process memory as the daemon's own check, unhealthy GPUs, metrics."""
+per-process memory as the daemon's own check, unhealthy GPUs (lost, hung, hung
+for ever), metrics."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,10 +22,21 @@ from gpud_client import Client, MemoryLimitExceeded
 
 FAKE = str(Path(__file__).resolve().parent.parent / "fakenvml")
 GIB = 2**30
+INTERVAL_S = 0.1  # monitor_interval_s of these daemons
+# The hang test's: a hung GPU is shown within 2.5 intervals of the hang (worst case), and the
+# half interval left must cover polling and a loaded machine's scheduling delays.
+HANG_INTERVAL_S = 0.2
+Update = Callable[[dict[str, object]], None]
 
 
 @pytest.fixture
-def nvml_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Callable[[dict[str, object]], None]]]:
+def nvml_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Update]]:
+    with _nvml_daemon(tmp_path) as started:
+        yield started
+
+
+@contextmanager
+def _nvml_daemon(tmp_path: Path, interval_s: float = INTERVAL_S) -> Iterator[tuple[DaemonProcess, Update]]:
     state = tmp_path / "nvml.json"
     gpus = [
         {"name": "NVIDIA A100-SXM4-40GB", "uuid": "GPU-aaaa", "total": 40 * GIB, "used": GIB, "util": 35},
@@ -42,7 +56,7 @@ def nvml_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Callable[[dict[
     os.environ["PYTHONPATH"] = FAKE + os.pathsep + os.environ.get("PYTHONPATH", "")
     os.environ["FAKE_NVML_STATE"] = str(state)
     cfg = tmp_path / "gpud.toml"
-    cfg.write_text("monitor_interval_s = 0.1\n")
+    cfg.write_text(f"monitor_interval_s = {interval_s}\n")
     try:
         d = DaemonProcess("--config", str(cfg), "--metrics-addr", "127.0.0.1:0").start()
     finally:
@@ -118,10 +132,94 @@ def test_a_lost_gpu_is_unhealthy_not_fatal(nvml_daemon: tuple[DaemonProcess, Cal
         with s.slice():
             assert s.holding  # the other GPU is served as usual
     assert metric(d, "gpud_gpu_healthy", gpu="1") == 0
-    assert '"gpu_unhealthy"' in d.log()
+    assert [e["reason"] for e in events(d, "gpu_unhealthy")] == ["GPU is lost"]
     update({"1": {"lost": False}})
     with Client(d.socket) as c:
         eventually(lambda: c.status().gpus[1].healthy)
+    assert metric(d, "gpud_gpu_healthy", gpu="1") == 1
+    assert [e["gpu"] for e in events(d, "gpu_healthy_again")] == [1]
+
+
+def test_a_hung_gpu_is_unhealthy_within_three_intervals_and_nothing_else_waits(tmp_path: Path) -> None:
+    with _nvml_daemon(tmp_path, HANG_INTERVAL_S) as (d, update), Client(d.socket, name="trainer") as c:
+        s0 = c.session(0, framework_hooks=False)
+        sample_gpu0 = _sampler_of_gpu0(c, update, os.getpid())
+        sample_gpu0(1)  # sampling has begun; GPU 1 was just read: the worst moment for a hang to begin
+        update({"1": {"hang": True}})
+        took = wait_for(lambda: not c.status().gpus[1].healthy)
+        print(f"\nhung GPU shown unhealthy {took * 1000:.0f} ms after its hang began "
+              f"({took / HANG_INTERVAL_S:.2f} monitor intervals)")
+        assert took < 3 * HANG_INTERVAL_S
+        assert c.status().gpus[0].healthy and metric(d, "gpud_gpu_healthy", gpu="1") == 0
+        threads = _threads(d)
+        for gib in range(2, 8):  # GPU 0 is sampled on, one interval or more apart
+            sample_gpu0(gib)
+        assert _threads(d) <= threads + 1, "a probe thread per interval piles up behind the hung call"
+        for gpu, session in ((0, s0), (1, c.session(1, framework_hooks=False))):
+            began = time.monotonic()
+            with session.slice():
+                assert session.holding
+            assert time.monotonic() - began < 0.5, f"a lock on GPU {gpu} waited for the hung GPU"
+        assert c.status().gpus[1].healthy is False  # still hung
+        [event] = events(d, "gpu_unhealthy")
+        assert event["gpu"] == 1 and str(event["reason"]).startswith("its NVML call has not returned for ")
+        update({"1": {"hang": False}})
+        eventually(lambda: c.status().gpus[1].healthy)
+        assert metric(d, "gpud_gpu_healthy", gpu="1") == 1
+        assert [e["gpu"] for e in events(d, "gpu_healthy_again")] == [1]
+
+
+def test_sigterm_exits_at_once_while_nvml_calls_hang_for_ever(tmp_path: Path) -> None:
+    with _nvml_daemon(tmp_path) as (d, update):
+        update({"0": {"hang": "forever"}, "1": {"hang": "forever"}})
+        with Client(d.socket) as c:
+            eventually(lambda: not any(g.healthy for g in c.status().gpus))
+        assert d.proc is not None
+        began = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        code = d.proc.wait(timeout=10)
+        took = time.monotonic() - began
+        print(f"\nSIGTERM to exit with two probes hung for ever: {took * 1000:.0f} ms")
+        assert code == 0, d.log()
+        assert took < 2.0 + 1.0  # the 2 s asked for, with a margin for a loaded machine
+        assert '"shutdown"' in d.log()
+
+
+def _sampler_of_gpu0(c: Client, update: Update, pid: int) -> Callable[[int], None]:
+    """Set this process's memory on GPU 0 in NVML and wait until the daemon has read it:
+    proof that GPU 0 was sampled after the change."""
+
+    def sample(gib: int) -> None:
+        update({"0": {"procs": {str(pid): gib * GIB}}})
+        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == gib * GIB)
+
+    return sample
+
+
+def _threads(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    return len(os.listdir(f"/proc/{d.proc.pid}/task"))
+
+
+def events(d: DaemonProcess, name: str) -> list[dict[str, object]]:
+    out = []
+    for line in d.log().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == name:
+            out.append(entry)
+    return out
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> float:
+    """Poll ``check`` closely until it holds; the seconds it took."""
+    began = time.monotonic()
+    while not check():
+        assert time.monotonic() - began < timeout, "condition not reached"
+        time.sleep(0.005)
+    return time.monotonic() - began
 
 
 def test_daemon_metrics_are_scraped(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
