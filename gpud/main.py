@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from gpud import __version__
 from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_metrics_addr, read_environment, read_file
-from gpud.devices import discover
+from gpud.devices import Gpu, discover
 from gpud.logging import configure_logging
 from gpud.metrics import Metrics
 from gpud import lockfile, systemd
@@ -94,7 +94,7 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
         if state.crashed_pid is not None:
             log.warning("restarted_after_crash", previous_pid=state.crashed_pid, restart_grace_s=grace_s,
                         hint="nothing is granted during the grace, so former holders learn they lost the lock first")
-        gpus = discover(config.simulate)
+        gpus = await _discover(config)
         registry = CollectorRegistry()
         daemon = Daemon(config, gpus, Metrics(registry), restart_grace_us=round(grace_s * 1e6))
         try:
@@ -104,6 +104,18 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
         clean = True
     finally:
         state.release(clean=clean)
+
+
+DISCOVERY_TIMEOUT_S = 30.0
+
+
+async def _discover(config: Config) -> list[Gpu]:
+    """The GPUs, read in a thread: a driver that hangs at start-up fails the start with a
+    clear reason (systemd retries) rather than leaving a daemon that never gets ready."""
+    with trio.move_on_after(DISCOVERY_TIMEOUT_S):
+        return await trio.to_thread.run_sync(discover, config.simulate, abandon_on_cancel=True)
+    raise RuntimeError(f"NVML did not answer within {DISCOVERY_TIMEOUT_S:g} s at start-up (a hung driver or GPU?); "
+                       f"check nvidia-smi, then start gpud again")
 
 
 async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,

@@ -317,3 +317,18 @@ async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None
         while node.daemon.owners:
             await trio.sleep(0.01)
     assert series(detached) == 0 and series(closed) == 0  # no monitor sample in between
+
+
+async def test_a_driver_that_hangs_at_start_up_fails_the_start_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import gpud.main
+
+    release = threading.Event()
+    monkeypatch.setattr(gpud.main, "discover", lambda simulate: release.wait(30))
+    monkeypatch.setattr(gpud.main, "DISCOVERY_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(RuntimeError, match="NVML did not answer within 0.2 s at start-up"):
+            await gpud.main._discover(Config())
+    finally:
+        release.set()
