@@ -473,7 +473,14 @@ class Client:
                     # id); the grant comes as a LOCK_OK push.
                     s.request_id = conn.next_id()
                     self._lock_requests[s.request_id] = s
-                    self._send(conn, p.LockRequest(id=s.request_id, session=s.id))
+                    try:
+                        self._send(conn, p.LockRequest(id=s.request_id, session=s.id))
+                    except DaemonUnavailable:  # the daemon died; the reader has not seen it yet
+                        self._lock_requests.pop(s.request_id, None)
+                        s.state = "idle"
+                        if self._conn is conn:
+                            self._conn = None  # wait for the reconnect, as when the reader saw it first
+                        continue
                 self._cond.wait()
 
     def _release(self, s: Session) -> None:

@@ -119,6 +119,22 @@ def test_reconnect_and_reattach_after_a_daemon_restart(daemon: DaemonProcess) ->
         assert s.id != 0 and s.gpu == 1
 
 
+def test_a_slice_begun_as_the_daemon_dies_waits_for_the_reconnect(daemon: DaemonProcess) -> None:
+    """The LOCK_REQUEST goes out before the reader thread has seen the connection end:
+    the slice waits for the reconnect (as if the reader had seen it first), never fails
+    at once with a broken pipe."""
+    with Client(daemon.socket, name="early", unavailable_timeout=20) as c:
+        s = c.session(0, idle_release=None)
+        with c._lock:  # the reader thread cannot handle the closed connection meanwhile
+            daemon.stop(sig=9)
+            restarted = threading.Thread(target=daemon.start)
+            restarted.start()
+            with s.slice():  # its request meets the dead socket; it waits for the new daemon
+                assert s.holding
+        restarted.join()
+        assert c.reconnects == 1
+
+
 def test_daemon_away_raises_after_unavailable_timeout(daemon: DaemonProcess) -> None:
     c = Client(daemon.socket, unavailable_timeout=0.3)
     try:
