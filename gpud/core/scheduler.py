@@ -274,17 +274,17 @@ class GpuScheduler:
         if lease in self._sessions:
             raise Refused(ErrorCode.INVALID, f"lease {lease} already exists")
         s = _Session(lease, priority, mem_estimate=mem_estimate, lease=True, hold_max_us=hold_max_us)
-        self._end_grace(now)
-        if self._enabled and not self._admissible_now(s):
+        effects = self._settle(now)  # busy or free is judged on the state at ``now``
+        if not self._admissible_now(s):
             if max_wait_us == 0:
-                return [LeaseDenied(lease, LeaseReason.GPU_BUSY), *self._settle(now)]
+                return [*effects, LeaseDenied(lease, LeaseReason.GPU_BUSY)]
             if len(self._queue) >= queue_limit:
-                return [LeaseDenied(lease, LeaseReason.QUEUE_FULL), *self._settle(now)]
+                return [*effects, LeaseDenied(lease, LeaseReason.QUEUE_FULL)]
         self._sessions[lease] = s
         self._acc.add(lease, 100, now)  # billed like any holder, no limit of its own
         s.state, s.requested_at, s.wait_deadline = "waiting", now, now + max_wait_us
         bisect.insort(self._queue, (-priority, next(self._seq), lease))
-        return self._settle(now)
+        return effects + self._settle(now)
 
     def release_lease(self, lease: int, now: int) -> list[Effect]:
         """Give a lease back (or withdraw a waiting one); it is gone after."""
@@ -367,6 +367,7 @@ class GpuScheduler:
         self._enabled = enabled
         if not enabled:
             for s in self._running.values():  # nothing is dropped while off
+                s.tq_dropped = False  # a cancelled TQ drop: the quantum counts again once on
                 if s.drop_reason is not None:
                     s.drop_reason = None
                     self._acc.start(s.id, now)
@@ -389,10 +390,10 @@ class GpuScheduler:
                     times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
                 elif blocked and not s.tq_dropped:
                     times.append(s.granted_at + self._cfg.tq_us)
-            for _, _, sid in self._queue:
-                deadline = self._sessions[sid].wait_deadline
-                if deadline is not None:
-                    times.append(deadline)
+        for _, _, sid in self._queue:  # off, a lease still waits during the restart grace
+            deadline = self._sessions[sid].wait_deadline
+            if deadline is not None:
+                times.append(deadline)
         if self._grants_from is not None and self._queue:
             times.append(self._grants_from)
         quota = self._acc.next_deadline()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import Drop, Grant, GpuScheduler, LeaseDenied, Refused, Revoke, SchedulerConfig
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, RevokeReason
 
@@ -247,3 +248,50 @@ def test_a_lease_that_may_not_wait_is_refused_as_busy_during_the_grace() -> None
 def test_the_grace_ends_on_time_for_a_gpu_nobody_asked_for_meanwhile() -> None:
     s = GpuScheduler(SchedulerConfig(), now=0, grants_from=S)
     assert s.acquire_lease(7, S, priority=50, max_wait_us=0, hold_max_us=S, queue_limit=8)[0] == Grant(7, 1)
+
+
+def test_a_waiting_lease_times_out_on_time_during_the_grace_with_the_scheduler_off() -> None:
+    s = GpuScheduler(SchedulerConfig(), now=0, grants_from=S)
+    s.set_enabled(False, 0)
+    s.acquire_lease(7, 10, priority=50, max_wait_us=1000, hold_max_us=S, queue_limit=8)
+    assert s.next_deadline() == 1010  # its max_wait, not the end of the grace
+    assert s.advance(1010) == [LeaseDenied(7, LeaseReason.TIMEOUT)]
+
+
+def test_a_lease_that_may_not_wait_is_busy_during_the_grace_with_the_scheduler_off() -> None:
+    s = GpuScheduler(SchedulerConfig(), now=0, grants_from=S)
+    s.set_enabled(False, 0)
+    assert s.acquire_lease(7, 10, priority=50, max_wait_us=0, hold_max_us=S, queue_limit=8) == [
+        LeaseDenied(7, LeaseReason.GPU_BUSY)
+    ]
+    assert s.queue() == []
+
+
+def test_a_holder_is_dropped_again_at_its_next_tq_after_the_scheduler_was_off_and_on() -> None:
+    """SCHED_OFF cancels a pending TQ drop; after SCHED_ON the holder's quantum counts again.
+    Before, the cancelled drop left it marked as dropped: it kept the GPU for good."""
+    s = sched(1, 2, tq=10 * S)
+    s.request(1, 0)
+    s.request(2, 1)
+    assert s.advance(10 * S) == [Drop(1, 1, DropReason.TQ)]
+    s.set_enabled(False, 10 * S + 1)  # the drop is cancelled; 2 is granted beside it (off: all at once)
+    s.release(2, 10 * S + 2)
+    s.set_enabled(True, 10 * S + 3)
+    assert s.request(2, 10 * S + 4) == [Drop(1, 1, DropReason.TQ)]  # its quantum is long spent
+    assert s.advance(10 * S + 4 + DROP_TIMEOUT) == [Revoke(1, 1, RevokeReason.DROP_TIMEOUT), Grant(2, 3)]
+
+
+def test_a_lease_is_judged_busy_or_free_after_the_state_is_brought_up_to_now() -> None:
+    """A window that ends within the acquire's own call un-throttles a queued session,
+    which takes the GPU: a lease that may not wait is then busy, not timed out."""
+    cfg = SchedulerConfig(quota=QuotaConfig(window_us=S))
+    s = GpuScheduler(cfg, now=0)
+    s.attach(1, 0, core_limit=10)
+    s.attach(2, 0)
+    s.request(1, 0)
+    s.advance(S // 10)  # 1 used its 10 % budget: dropped
+    s.release(1, S // 10 + 1)
+    s.request(1, S // 10 + 2)  # throttled until the window ends: it waits, the GPU is free
+    effects = s.acquire_lease(7, S, priority=50, max_wait_us=0, hold_max_us=S, queue_limit=8)
+    assert LeaseDenied(7, LeaseReason.GPU_BUSY) in effects and Grant(1, 2) in effects
+    assert LeaseDenied(7, LeaseReason.TIMEOUT) not in effects

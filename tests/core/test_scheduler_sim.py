@@ -179,8 +179,9 @@ class Model:
         for sid in list(self.granted):
             if sid not in self.s.holders():
                 self.forget(sid)
-        if not self.s.enabled:  # switching off cancels pending drops
+        if not self.s.enabled:  # switching off cancels pending drops, TQ drops included
             self.pending_drop.clear()
+            self.tq_dropped.clear()
 
     def check(self) -> None:
         s, now = self.s, self.now

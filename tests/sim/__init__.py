@@ -1,0 +1,1 @@
+"""Whole-daemon simulations on fake time (see ``daemon_sim``)."""

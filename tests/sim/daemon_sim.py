@@ -1,0 +1,2055 @@
+"""Deterministic simulation of the whole daemon: one seed, one world, every invariant after every event.
+
+A real ``Daemon`` (schedulers, arbiter, allocator, its SQLite store in a temporary
+directory) is driven in process: no sockets, no trio run, a fake clock in integer
+microseconds that only this module moves. A ``random.Random(seed)`` draws the
+configuration (GPUs, mode, TQ, drop_timeout, compute window, lease policies,
+tenants, small caps, restart grace, how often the store fails) and then every step:
+clients connect (some before HELLO), attach sessions, request and release the lock,
+report memory, change limits, take leases (and abandon them), allocate, free and
+wait, run admin operations (mode, TQ, scheduler on/off, policies, reset), query,
+crash; the daemon itself crashes (its objects are dropped without a word, the
+store is closed, a new ``Daemon`` is built on the same state directory with the
+restart grace) or restarts gracefully (GOODBYE); the store's ``write`` fails now
+and then. Time moves the way the shell's timers move it: to every scheduler and
+ledger deadline in order (``carry_out(slot, advance(now))``,
+``allocator.advance(now)``), and to the moments simulated clients act.
+
+Clients are models of what a process believes: its sessions (idle, waiting,
+holding which grant, dropped when), its leases, its outstanding requests and when
+each was sent, and the allocations acknowledged to it. Their behaviours: ``good``
+(releases soon after DROP_LOCK, keeps the lock between slices otherwise), ``slow``
+(releases late after DROP_LOCK, often after drop_timeout: revoked), ``stubborn``
+(ignores DROP_LOCK, holds long, sends stale LOCK_RELEASED), ``abandoner`` (never
+gives a lease back), ``crashy`` (crashes often); all reconnect after a daemon
+crash and attach their sessions again, as the client library does.
+
+After every event (one request, one timer expiry, one client action, one crash)
+``World.check`` compares the daemon with the model and with the rules:
+- the daemon's holders, queue, owners and leases are exactly what connected clients
+  believe (so nothing is granted to, or kept for, a disconnected client), and the
+  mode, scheduler switch and TQ are what the admin was told;
+- serial mode: never two holders, unless they were admitted before the GPU
+  became serial or while the scheduler was off;
+- concurrent and auto: a grant leaves the holders' memory (max of estimate and
+  reported use, unknown = the whole GPU) within capacity unless alone; auto drops
+  sessions while reported memory overflows;
+- billing: in every finished window and in the current one, no session was billed
+  more than the time it held the GPU in that window, and all together no more than
+  the window's wall time; a limited holder over its budget has its DROP_LOCK;
+- a DROP_LOCK not answered within drop_timeout is a REVOKED exactly then; a
+  holder past TQ with a runnable waiter has its DROP_LOCK; a GPU with no holder
+  has no runnable waiter; every deadline that is due has been acted on;
+- waits: a lock waiter is granted within the bound derived in ``lock_bound`` and
+  never after someone queued behind it; a lease waiter has its LEASE_RESULT by its
+  max_wait, an allocation waiter its answer by wait_ms; no allocation waiter fits
+  the node and still waits; nothing is granted during the restart grace;
+- allocations: ledger, allocator, store (read back, also with a fresh ``Store``)
+  and the model agree exactly (nothing acknowledged lost, nothing freed back,
+  nothing twice); an allocation answered twice is the same; a request whose store
+  write failed is answered ``store_failed`` and left the ledger exactly as it was;
+  permissions (admin ops, other uids' tasks, tenants, priority ceilings) and the
+  limits a fractional allocation puts on a session are what the rules say;
+- every request is answered exactly once, every push names something the client
+  has, and the daemon counted no fault.
+
+Each rule is one ``check_*`` method (or one ``expect`` in the ``answer_*`` handler of
+a request), so an experiment can switch one off and see another fire.
+
+A failure prints the seed, the step, the last events, the GPUs' state and the one
+command that replays it exactly::
+
+    .venv/bin/python -m tests.sim.daemon_sim --seed N [--steps S] [--verbose]
+    .venv/bin/python -m tests.sim.daemon_sim --seeds N [--stats]   # seeds 0..N-1
+
+Determinism: everything random comes from the seed; the ledger's generator and the
+arbiter's lease id prefix (the daemon's two random sources) are set from it; the
+daemon sees 4 CPU cores whatever the machine has; the model never iterates a set of
+strings, so hash randomisation changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import heapq
+import inspect
+import itertools
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import msgspec
+import structlog
+import trio
+from prometheus_client import CollectorRegistry
+
+from gpud.config import Config, PolicyConfig, TenantConfig
+from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
+from gpud.core.ledger import UNIT, Insufficient
+from gpud.core.scheduler import Refused
+from gpud.devices import simulated_gpus
+from gpud.listener import handle_payload
+from gpud.metrics import Metrics
+from gpud.server import Daemon
+from gpud.state import Connection
+from gpud.store import Store, StoreError
+from gpud_client import protocol as p
+
+DEFAULT_STEPS = 400
+TRACE_LINES = 30
+START_US = 1_000_000_000_000  # the fake clock's first reading
+MS = 1_000
+GIB = 2**30
+SIM_CPUS = 4  # the CPU cores the daemon's ledger sees, whatever this machine has
+ADMIN_UID = os.getuid()  # the daemon's own uid: an admin (so is 0)
+USERS = [u for u in (1000, 1001, 1002, 1003) if u != ADMIN_UID][:3]  # non-admins
+MAX_CLIENTS = 7
+HAS_GRACE = "restart_grace_us" in inspect.signature(Daemon.__init__).parameters
+KINDS = ["good", "good", "good", "slow", "slow", "stubborn", "abandoner", "crashy", "crashy"]
+# The longest a client of each kind keeps a lease before giving it back (None: never).
+LEASE_HOLD_MAX_US: dict[str, int | None] = {
+    "good": 20 * MS, "slow": 60 * MS, "stubborn": 60 * MS, "crashy": 20 * MS, "abandoner": None,
+}
+TASK_TYPES = ["ASR", "NMT", "SEMANTIC_REPAIR", "OTHER", "BATCH"]
+SHARED_TASKS = ["shared-1", "shared-2"]  # task ids several uids ask for
+PUSHES_ON_SESSIONS = (p.LockOk, p.DropLock, p.Revoked, p.LimitsChanged, p.MemLimitExceeded)
+ADMIN_KINDS = ("SET_MODE", "SET_TQ", "SCHED_ON", "SCHED_OFF", "SET_POLICY", "RESET_ALLOCS")
+
+
+class SimFailure(AssertionError):
+    """An invariant does not hold."""
+
+
+# --- the model: what each simulated process believes --------------------------------------
+
+
+@dataclass(eq=False)
+class Sess:
+    """A session as its client sees it."""
+
+    sid: int
+    gpu: int
+    priority: int
+    core_limit: int
+    mem_estimate: int | None
+    mem_limit: int | None
+    task_id: str | None
+    core_ceiling: int = 100
+    mem_ceiling: int | None = None
+    mem_used: int | None = None
+    state: str = "idle"  # idle | waiting | holding
+    grant: int = 0
+    seq: int = 0  # arrival order of its current request on the GPU (the daemon's FIFO)
+    requested_at: int = 0
+    granted_at: int = 0
+    drop_at: int | None = None  # DROP_LOCK the daemon still counts for this grant (SCHED_OFF cancels it)
+    drop_reason: p.DropReason | None = None
+    drop_seen: bool = False  # a DROP_LOCK came for this grant (the client releases at slice end)
+    bound: int | None = None  # a waiting request must be granted by then (None: no bound applies)
+    counted: set[tuple[int, int]] = field(default_factory=set)  # (sid, seq) of grants the bound allows for
+    limits_changed: bool = False  # in this event (it may have been throttled for a moment)
+
+
+@dataclass(eq=False)
+class LeaseM:
+    lease_id: str
+    sid: int
+    gpu: int
+    priority: int
+    seq: int
+    granted_at: int
+    hold_max_us: int
+    mem_estimate: int | None
+
+
+@dataclass(eq=False)
+class Pending:
+    rid: int
+    kind: str
+    msg: Any
+    sent_at: int
+    deadline: int | None = None  # an answer that may come later must come by then
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Client:
+    cid: int
+    uid: int
+    kind: str
+    pid: int
+    conn: Connection | None = None
+    gen: int = 0  # connections opened so far (agenda entries name the one they belong to)
+    greeted: bool = False
+    client_id: int = 0  # the daemon's id for the connection (WELCOME)
+    frames: p.FrameDecoder = field(default_factory=lambda: p.FrameDecoder(p.MAX_REPLY_BYTES))
+    next_rid: int = 1
+    pending: dict[int, Pending] = field(default_factory=dict)
+    sessions: dict[int, Sess] = field(default_factory=dict)
+    leases: dict[str, LeaseM] = field(default_factory=dict)
+    intents: list[dict[str, Any]] = field(default_factory=list)  # sessions to attach again after a restart
+    alive: bool = True  # False: the process is gone for good
+
+    @property
+    def gid(self) -> int:
+        return self.uid
+
+    @property
+    def admin(self) -> bool:
+        return self.uid in (0, ADMIN_UID)
+
+    def rid(self) -> int:
+        self.next_rid += 1
+        return self.next_rid
+
+    def waiting_leases(self) -> list[Pending]:
+        return [q for q in self.pending.values() if q.kind == "ACQUIRE" and "sid" in q.info]
+
+
+@dataclass(eq=False)
+class Acked:
+    """An allocation acknowledged (ALLOCATED) and not freed (OK)."""
+
+    task_id: str
+    uid: int
+    gpus: tuple[int, ...]
+    share: int  # fixed point
+    cpus: tuple[int, ...]
+    tenant: str | None
+
+
+@dataclass(eq=False)
+class GpuModel:
+    index: int
+    total: int
+    capacity: int
+    mode: p.Mode
+    enabled: bool
+    tq_us: int
+    serial_clean: bool = True  # serial and on since the GPU last had at most one holder
+    last_grant: int = 0
+    window_seen: int | None = None
+
+
+@dataclass(eq=False)
+class GpuNow:
+    """One GPU as the checks see it after an event."""
+
+    g: int
+    gm: GpuModel
+    sched: Any
+    view: Any
+    sessions: list[tuple[Client, Sess]]
+    leases: list[tuple[Client, LeaseM]]
+    lease_sids: set[int]
+    waiting_leases: list[int]  # sids of leases waiting for this GPU
+
+    @property
+    def runnable(self) -> list[Any]:
+        return [w for w in self.view.queue if not w.throttled]
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+def draw_config(rng: random.Random, state_dir: str) -> Config:
+    policies = {
+        "ASR": PolicyConfig(priority=90, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 50, 300])),
+        "SEMANTIC_REPAIR": PolicyConfig(priority=20, busy_policy=p.BusyPolicy.SKIP, max_wait_ms=rng.choice([0, 40])),
+        "BATCH": PolicyConfig(priority=30, busy_policy=p.BusyPolicy.FALLBACK_CPU, max_wait_ms=rng.choice([5, 100]),
+                              queue_limit=rng.choice([None, 1]), hold_max_ms=rng.choice([None, 15])),
+    }
+    return Config(
+        state_dir=state_dir, metrics_addr="off", admin_group="", reap_interval_s=0,
+        simulate=rng.choice(["1x16GiB", "2x16GiB", "2x16GiB", "3x8GiB"]),
+        mode=rng.choice(list(p.Mode)),
+        tq_s=rng.choice([0.01, 0.03, 0.1]),
+        drop_timeout_s=rng.choice([0.005, 0.02, 0.05]),
+        memory_reserve_percent=rng.choice([0, 10]),
+        compute_window_s=rng.choice([0.1, 0.25, 1.0]),
+        quota_sample_interval_s=rng.choice([0.005, 0.02]),
+        quota_carryover_percent=rng.choice([0, 50, 100]),
+        drop_tail_billing_percent=rng.choice([0, 50, 100]),
+        share_windows=rng.choice([3, 10]),
+        lease_queue_limit=rng.choice([1, 3, 8]),
+        lease_hold_max_ms=rng.choice([10, 40, 8000]),
+        lease_force_release=rng.random() < 0.4,
+        policies=policies,
+        restart_grace_s=rng.choice([0.0, 0.01, 0.05]),
+        tenants={
+            "team": TenantConfig(gpus=1.0, borrow=0.5, uids=[USERS[0]]),
+            "lab": TenantConfig(gpus=0.5, borrow=0.0),
+        },
+        max_connections=rng.choice([5, 64]),
+        max_connections_per_uid=rng.choice([2, 8]),
+        max_sessions_per_connection=rng.choice([3, 6]),
+        max_lock_queue=rng.choice([3, 16]),
+        max_allocation_waiters=rng.choice([1, 4]),
+        priority_max_uids={str(USERS[1]): 80},
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def fixed_cpus(n: int) -> Iterator[None]:
+    """The daemon reads the CPU cores it may hand out at construction: give it ``n``
+    whatever this machine has, so a seed replays the same everywhere."""
+    real = os.sched_getaffinity
+    os.sched_getaffinity = lambda pid: set(range(n))
+    try:
+        yield
+    finally:
+        os.sched_getaffinity = real
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    """Drop the daemon's log lines (faults are caught where they are recorded)."""
+    saved = structlog.get_config()
+
+    def drop(_logger: Any, _name: str, _event: Any) -> Any:
+        raise structlog.DropEvent
+
+    structlog.configure(processors=[drop], cache_logger_on_first_use=False)
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+_FIELDS: dict[type, tuple[Any, ...]] = {}
+
+
+def short(msg: Any, limit: int = 240) -> str:
+    """A message as a line: its type and the fields that differ from their defaults."""
+    if isinstance(msg, msgspec.Struct):
+        parts = []
+        fields = _FIELDS.get(type(msg))
+        if fields is None:  # msgspec reads the annotations each time: once per type is enough
+            fields = _FIELDS[type(msg)] = msgspec.structs.fields(msg)
+        for f in fields:
+            value = getattr(msg, f.name)
+            if f.name == "acquired_at" or (f.required is False and value == f.default):
+                continue
+            parts.append(f"{f.name}={value.value if isinstance(value, enum.Enum) else value!r}")
+        text = f"{type(msg).__name__}({', '.join(parts)})"
+    else:
+        text = repr(msg)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def overlap(intervals: list[list[Any]], lo: int, hi: int, now: int) -> int:
+    """Microseconds of [lo, hi) covered by the hold intervals (an open one ends now)."""
+    total = 0
+    for start, end in intervals:
+        a, b = max(start, lo), min(now if end is None else end, hi)
+        if b > a:
+            total += b - a
+    return total
+
+
+# --- the world ------------------------------------------------------------------------------------
+
+
+class World:
+    def __init__(self, seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False) -> None:
+        self.seed, self.steps, self.verbose = seed, steps, verbose
+        self.rng = random.Random(seed)
+        self.now = START_US
+        self.step_no = 0
+        self.events = 0
+        self.trace: deque[str] = deque(maxlen=TRACE_LINES)
+        self.state_dir = tempfile.mkdtemp(prefix=f"gpud-sim-{seed}-")
+        self.config = draw_config(self.rng, self.state_dir)
+        self.store_fail_p = self.rng.choice([0.0, 0.0, 0.05, 0.25])
+        self.codec = p.daemon_codec()
+        self.reader = p.client_codec()
+        self.clients: list[Client] = []
+        self.agenda: list[tuple[int, int, str, tuple[Any, ...]]] = []
+        self._agenda_seq = itertools.count()
+        self._seq = itertools.count(1)  # arrival order of lock requests and acquires
+        self.acked: dict[str, Acked] = {}
+        self.faults: list[str] = []
+        self.injected = 0  # store writes failed on purpose so far
+        self.daemon_runs = 0
+        self.closed_conns: deque[Connection] = deque(maxlen=32)
+        self.grants_now: list[tuple[int, int, int, int, int]] = []  # (gpu, sid, seq, priority, grant) this event
+        self._last_grants: list[tuple[int, int, int, int, int]] = []
+        self.deferred: list[Any] = []  # checks judged at the end of the event
+        self.stats: Counter[str] = Counter()  # what happened, to see what the checks saw
+        self.spins, self.last_due = 0, 0  # timer rounds at one instant (a deadline that stays due)
+        self._waiting: list[tuple[Client, Pending]] = []  # leases waiting, as of the last check
+        self.goodbye_expected = False
+        self.holds: dict[int, list[list[Any]]] = {}  # sid -> hold intervals, for this daemon run
+        self.gpus: list[GpuModel] = []
+        self.daemon: Daemon = self.build_daemon(grace_us=0)
+        self.event(f"config: {self.describe_config()}")
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def clock(self) -> int:
+        return self.now
+
+    def event(self, text: str) -> None:
+        self.events += 1
+        line = f"#{self.step_no} t={(self.now - START_US) / 1000:.3f}ms {text}"
+        self.trace.append(line)
+        if self.verbose:
+            print(line)
+
+    def fail(self, message: str) -> NoReturn:
+        raise SimFailure(message)
+
+    def describe_gpus(self) -> list[str]:
+        lines = []
+        with contextlib.suppress(Exception):
+            for slot in self.daemon.slots:
+                v = slot.scheduler.view(self.now)
+                grace = max(0, self.grace_end - self.now)
+                lines.append(
+                    f"GPU {slot.gpu.index}: {v.mode.value}, scheduler {'on' if v.enabled else 'off'}, TQ {v.tq_us} us"
+                    + (f", restart grace {grace} us left" if grace else "")
+                    + f"; holders {[(h.session, h.grant, h.drop_pending and h.drop_pending.value) for h in v.holders]}"
+                    + f"; queue {[(w.session, w.priority, 'throttled' if w.throttled else '') for w in v.queue]}"
+                )
+        return lines
+
+    def describe_config(self) -> str:
+        c = self.config
+        return (f"{c.simulate} mode={c.mode} tq={c.tq_s}s drop_timeout={c.drop_timeout_s}s window={c.compute_window_s}s "
+                f"carryover={c.quota_carryover_percent} tail={c.drop_tail_billing_percent} "
+                f"force_release={c.lease_force_release} hold_max={c.lease_hold_max_ms}ms grace={c.restart_grace_s}s "
+                f"caps(conn={c.max_connections}/{c.max_connections_per_uid} sess={c.max_sessions_per_connection} "
+                f"queue={c.max_lock_queue} waiters={c.max_allocation_waiters}) store_fail_p={self.store_fail_p}")
+
+    @property
+    def dt_us(self) -> int:
+        return round(self.config.drop_timeout_s * 1e6)
+
+    def build_daemon(self, grace_us: int) -> Daemon:
+        kwargs: dict[str, Any] = {"restart_grace_us": grace_us} if HAS_GRACE else {}
+        with fixed_cpus(SIM_CPUS):
+            d = Daemon(self.config, simulated_gpus(self.config.simulate or "1"), Metrics(CollectorRegistry()),
+                       clock=self.clock, **kwargs)
+        self.daemon_runs += 1
+        # The two random sources of a daemon, made replayable: the "random" placement strategy and
+        # the prefix of lease ids (which only has to differ between daemon runs).
+        d.allocator.ledger._rng.seed(self.seed * 1000 + self.daemon_runs)
+        d.arbiter._prefix = f"sim{self.seed}r{self.daemon_runs}"
+        real_write = d.allocator.store.write
+
+        def write(*args: Any, **kwargs: Any) -> None:
+            if self.store_fail_p and self.rng.random() < self.store_fail_p:
+                self.injected += 1
+                self.stats["store writes failed (injected)"] += 1
+                raise StoreError("injected by the simulation")
+            real_write(*args, **kwargs)
+
+        d.allocator.store.write = write  # type: ignore[method-assign]
+        real_record = d.faults.record
+
+        def record(where: str, exc: BaseException, **context: object) -> None:
+            self.faults.append(f"fault in {where} ({context}):\n" + "".join(traceback.format_exception(exc)))
+            real_record(where, exc, **context)
+
+        d.faults.record = record  # type: ignore[method-assign]
+        self.grace_end = d.started_at + (grace_us if HAS_GRACE else 0)
+        self.holds = {}
+        self.gpus = [
+            GpuModel(s.gpu.index, s.gpu.memory_total_bytes,
+                     s.gpu.memory_total_bytes * (100 - self.config.memory_reserve_percent) // 100,
+                     self.config.mode, True, round(self.config.tq_s * 1e6))
+            for s in d.slots
+        ]
+        return d
+
+    def later(self, at: int, what: str, *args: Any) -> None:
+        heapq.heappush(self.agenda, (at, next(self._agenda_seq), what, args))
+
+    def connected(self) -> list[Client]:
+        return [c for c in self.clients if c.conn is not None and c.greeted]
+
+    # --- sending and receiving ---------------------------------------------------------------
+
+    def send(self, c: Client, msg: Any, kind: str, **info: Any) -> Pending:
+        """One request through ``handle_payload``, as the listener's read loop would; then
+        every connection's outbox is read by its client, and the event is checked."""
+        assert c.conn is not None
+        pend = Pending(msg.id, kind, msg, self.now, info=info)
+        c.pending[msg.id] = pend
+        self.event(f"client {c.cid} ({c.kind}, uid {c.uid}) -> {short(msg)}")
+        keep = handle_payload(self.daemon, c.conn, msgspec.msgpack.encode(msg), self.codec)
+        if not keep:  # the listener closes it; its writer flushes what was queued
+            self.lose_connection(c, "the daemon closed it", crashed=False)
+        else:
+            self.deliver()
+        return pend
+
+    def finish(self, c: Client, pend: Pending, answered_now: bool = True) -> None:
+        """After a request that is answered at once (or only on refusal): it must be."""
+        if c.pending.get(pend.rid) is pend:
+            if answered_now:
+                self.fail(f"client {c.cid}: {pend.kind} (id {pend.rid}) got no answer")
+            del c.pending[pend.rid]  # silent success (LOCK_REQUEST, LOCK_RELEASED, MEM_UPDATE, quiet RELEASE)
+
+    def deliver(self) -> None:
+        """Each client reads what the daemon wrote to it (the writer tasks, the clients' readers)."""
+        for c in self.clients:
+            conn = c.conn
+            if conn is None:
+                continue
+            if conn.pending:
+                data = b"".join(conn.pending)
+                conn.pending.clear()
+                conn.pending_bytes -= len(data)
+                for payload in c.frames.feed(data):
+                    self.on_message(c, self.reader.decode(payload))
+            if c.conn is conn and conn.closing and conn.client_id in self.daemon.connections:
+                self.lose_connection(c, "dropped by the daemon", crashed=False)
+
+    def lose_connection(self, c: Client, why: str, *, crashed: bool, keep_intents: bool = False) -> None:
+        """The connection ends: the daemon frees what it held (``Daemon.close``), the writer
+        flushes what was queued, and the client forgets its sessions, leases and requests."""
+        conn = c.conn
+        assert conn is not None
+        self.deliver()  # what was written to it before: the writer flushes it
+        self.daemon.close(conn)
+        if conn.pending:
+            self.fail(f"the daemon wrote to connection {conn.client_id} while closing it: {list(conn.pending)[:2]}")
+        self.deliver()  # what its sessions' release gave others
+        self.event(f"client {c.cid}: connection ends ({why})")
+        self.forget_connection(c, keep_intents=keep_intents)
+        self.closed_conns.append(conn)
+        if crashed:
+            c.alive = False
+
+    def forget_connection(self, c: Client, *, keep_intents: bool) -> None:
+        c.intents = [
+            {"gpu": s.gpu, "priority": s.priority, "core_limit": s.core_limit, "mem_estimate": s.mem_estimate,
+             "task_id": s.task_id, "busy": s.state != "idle"}
+            for s in c.sessions.values()
+        ] if keep_intents else []
+        for s in c.sessions.values():
+            self.end_hold(s.sid)
+        for lease in c.leases.values():
+            self.end_hold(lease.sid)
+        c.conn, c.greeted = None, False
+        c.sessions.clear()
+        c.leases.clear()
+        c.pending.clear()
+
+    def end_hold(self, sid: int) -> None:
+        intervals = self.holds.get(sid)
+        if intervals and intervals[-1][1] is None:
+            intervals[-1][1] = self.now
+
+    # --- messages from the daemon ---------------------------------------------------------------
+
+    def on_message(self, c: Client, msg: Any) -> None:
+        rid = getattr(msg, "id", None)
+        if rid is not None:
+            pend = c.pending.pop(rid, None)
+            if pend is None:
+                self.fail(f"client {c.cid} got {short(msg)}, which answers no request it has outstanding")
+            self.on_answer(c, pend, msg)
+            return
+        if isinstance(msg, p.Error):
+            self.fail(f"client {c.cid} got an ERROR for no request: {short(msg)}")
+        if isinstance(msg, PUSHES_ON_SESSIONS) and msg.session not in c.sessions:
+            self.fail(f"client {c.cid} got {short(msg)} for a session it does not have (its sessions: "
+                      f"{sorted(c.sessions)})")
+        match msg:
+            case p.LockOk():
+                self.on_lock_ok(c, c.sessions[msg.session], msg)
+            case p.DropLock():
+                self.on_drop(c, c.sessions[msg.session], msg)
+            case p.Revoked():
+                self.on_revoked(c, c.sessions[msg.session], msg)
+            case p.LimitsChanged():
+                s = c.sessions[msg.session]
+                s.core_limit, s.mem_limit, s.limits_changed = msg.core_limit, msg.mem_limit, True
+                if s.core_limit < 100:
+                    s.bound = None  # a limited session waits for its budget too: no bound
+            case p.MemLimitExceeded():
+                s = c.sessions[msg.session]
+                if not (s.mem_used is not None and msg.used_bytes == s.mem_used > msg.limit_bytes):
+                    self.fail(f"client {c.cid}: {short(msg)} but it reported {s.mem_used} (limit {s.mem_limit})")
+            case p.SchedState():
+                if not 0 <= msg.gpu < len(self.gpus):
+                    self.fail(f"SCHED_STATE for unknown GPU {msg.gpu}")
+            case p.LeaseRevoked():
+                lease = c.leases.pop(msg.lease_id, None)
+                if lease is None:
+                    self.fail(f"client {c.cid} got {short(msg)} for a lease it does not hold")
+                if not self.config.lease_force_release or self.now < lease.granted_at + lease.hold_max_us:
+                    self.fail(f"lease {lease.lease_id} revoked at {self.now - lease.granted_at} us held, "
+                              f"hold_max {lease.hold_max_us} us, force_release={self.config.lease_force_release}")
+                self.end_hold(lease.sid)
+                self.stats["leases revoked (hold_max)"] += 1
+            case p.Goodbye():
+                if not self.goodbye_expected:
+                    self.fail(f"client {c.cid} got GOODBYE but the daemon is not shutting down")
+            case _:
+                self.fail(f"client {c.cid} got an unexpected push {short(msg)}")
+
+    def on_lock_ok(self, c: Client, s: Sess, msg: p.LockOk) -> None:
+        gm = self.gpus[s.gpu]
+        if s.state != "waiting":
+            self.fail(f"client {c.cid}: LOCK_OK for session {s.sid}, which is {s.state}, not waiting")
+        if self.now < self.grace_end:
+            self.fail(f"session {s.sid} granted {self.grace_end - self.now} us before the restart grace ends")
+        if s.requested_at < self.grace_end <= self.now:
+            self.stats["lock requests held through a restart grace"] += 1
+        self.stats["lock grants"] += 1
+        if s.bound is not None:
+            self.stats["lock grants within a bound"] += 1
+            if s.requested_at < self.now:
+                self.stats["lock waits bounded"] += 1
+        s.state, s.grant, s.granted_at = "holding", msg.grant, self.now
+        s.drop_at = s.drop_reason = None
+        s.drop_seen = False
+        self.holds.setdefault(s.sid, []).append([self.now, None])
+        self.grants_now.append((s.gpu, s.sid, s.seq, s.priority, msg.grant))
+        tq = gm.tq_us
+        if c.kind == "stubborn":
+            hold = self.rng.randrange(5 * tq, 20 * tq)
+        elif self.rng.random() < 0.35:
+            hold = None  # keeps the lock between slices until asked (the client library's way)
+        else:
+            hold = self.rng.randrange(MS, 3 * tq)
+        if hold is not None:
+            self.later(self.now + hold, "release", c.cid, c.gen, s.sid, msg.grant)
+
+    def on_drop(self, c: Client, s: Sess, msg: p.DropLock) -> None:
+        gm = self.gpus[s.gpu]
+        if s.state != "holding" or s.grant != msg.grant:
+            self.fail(f"client {c.cid}: {short(msg)} but session {s.sid} is {s.state} with grant {s.grant}")
+        if s.drop_at is not None:
+            self.fail(f"session {s.sid}: a second DROP_LOCK for grant {s.grant} before the first was answered")
+        # Judged at the end of the event: an admin's OK (SET_TQ) or a LIMITS_CHANGED push that
+        # explains the drop may be read after it (each client reads its own connection).
+        self.deferred.append(lambda: self.judge_drop(s, msg, gm))
+        s.drop_at, s.drop_reason, s.drop_seen = self.now, msg.reason, True
+        self.stats[f"drops ({msg.reason})"] += 1
+        dt = self.dt_us
+        if c.kind == "stubborn":
+            return  # ignores it: revoked after drop_timeout
+        if c.kind == "slow":
+            delay = self.rng.randrange(dt // 2, 2 * dt)
+        else:
+            delay = self.rng.randrange(0, max(1, min(2 * MS, dt // 2)))
+        self.later(self.now + delay, "release", c.cid, c.gen, s.sid, msg.grant)
+
+    def judge_drop(self, s: Sess, msg: p.DropLock, gm: GpuModel) -> None:
+        if msg.reason == p.DropReason.TQ and self.now < s.granted_at + gm.tq_us:
+            self.fail(f"session {s.sid}: TQ drop after {self.now - s.granted_at} us, TQ is {gm.tq_us} us")
+        if msg.reason == p.DropReason.QUOTA and s.core_limit >= 100:
+            self.fail(f"session {s.sid}: quota drop of a session with no limit ({s.core_limit} %)")
+        if msg.reason == p.DropReason.MEMORY and gm.mode != p.Mode.AUTO:
+            self.fail(f"session {s.sid}: memory drop in {gm.mode} mode")
+
+    def on_revoked(self, c: Client, s: Sess, msg: p.Revoked) -> None:
+        if s.state != "holding" or s.grant != msg.grant:
+            self.fail(f"client {c.cid}: {short(msg)} but session {s.sid} is {s.state} with grant {s.grant}")
+        if msg.reason == p.RevokeReason.DROP_TIMEOUT:
+            if s.drop_at is None or self.now < s.drop_at + self.dt_us:
+                self.fail(f"session {s.sid} revoked (drop_timeout) with DROP_LOCK sent at {s.drop_at}, "
+                          f"now {self.now}, drop_timeout {self.dt_us} us")
+        else:
+            self.fail(f"session {s.sid} revoked for {msg.reason}: only leases are revoked for that")
+        s.state, s.drop_at, s.drop_reason = "idle", None, None
+        self.stats["revocations (drop_timeout)"] += 1
+        self.end_hold(s.sid)
+        if self.rng.random() < 0.6:
+            self.later(self.now + self.rng.randrange(0, 30 * MS), "request", c.cid, c.gen, s.sid)
+
+    def on_answer(self, c: Client, pend: Pending, msg: Any) -> None:
+        code = msg.code if isinstance(msg, p.Error) else None
+        kind = pend.kind
+        if isinstance(msg, p.Error):
+            self.stats[f"errors ({msg.code})"] += 1
+        if isinstance(msg, p.Error) and not msg.message.strip():
+            self.fail(f"an ERROR without a message: {short(msg)}")
+        if code == p.ErrorCode.SHUTTING_DOWN:
+            if not self.daemon.shutting_down:
+                self.fail(f"shutting_down answered while the daemon is not shutting down: {short(msg)}")
+            return
+        if code == p.ErrorCode.HELLO_REQUIRED:
+            if c.greeted or kind == "HELLO":
+                self.fail(f"client {c.cid}: {short(msg)} but it sent HELLO")
+            return
+        if code == p.ErrorCode.INTERNAL:
+            self.fail(f"client {c.cid}: {kind} answered internal: {msg.message}")
+        handler = getattr(self, "answer_" + kind.lower(), None)
+        if handler is None:
+            self.answer_simple(c, pend, msg)
+        else:
+            handler(c, pend, msg)
+
+    def expect(self, ok: bool, c: Client, pend: Pending, msg: Any, why: str) -> None:
+        if not ok:
+            self.fail(f"client {c.cid} (uid {c.uid}{', admin' if c.admin else ''}): {short(pend.msg)} "
+                      f"answered {short(msg)}: {why}")
+
+    def answer_hello(self, c: Client, pend: Pending, msg: Any) -> None:
+        if isinstance(msg, p.Welcome):
+            self.expect(pend.msg.version == p.PROTOCOL_VERSION and not c.greeted, c, pend, msg, "welcomed twice or wrong version")
+            c.greeted, c.client_id = True, msg.client_id
+            self.expect([g.index for g in msg.gpus] == list(range(len(self.gpus))), c, pend, msg, "GPUs")
+        else:
+            expected = p.ErrorCode.INVALID if c.greeted else p.ErrorCode.VERSION
+            self.expect(isinstance(msg, p.Error) and msg.code == expected, c, pend, msg, f"expected {expected}")
+
+    def answer_simple(self, c: Client, pend: Pending, msg: Any) -> None:
+        """Admin operations, queries, OOM reports."""
+        kind = pend.kind
+        if kind in ADMIN_KINDS:
+            if c.admin:
+                self.expect(isinstance(msg, p.Ok), c, pend, msg, "an admin's request must succeed")
+                self.apply_admin(pend)
+            else:
+                self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED, c, pend, msg,
+                            "only an admin may do this")
+            return
+        match msg:
+            case p.AllocationsReply():
+                listed = sorted(a.task_id for a in msg.allocations)
+                self.expect(listed == sorted(self.acked), c, pend, msg, f"acknowledged: {sorted(self.acked)}")
+                waiting = sorted(t for q in self.all_pending("ALLOCATE") if q.deadline is not None
+                                 for t in [q.msg.task_id])
+                self.expect(sorted(msg.waiting) == waiting, c, pend, msg, f"waiting: {waiting}")
+            case p.LeasesReply():
+                held = sorted(lease.lease_id for x in self.clients for lease in x.leases.values())
+                listed = sorted(i.lease_id for i in msg.leases if i.state == "holding")
+                self.expect(listed == held, c, pend, msg, f"held leases: {held}")
+            case p.StatusReply():
+                self.expect(len(msg.gpus) == len(self.gpus), c, pend, msg, "one entry per GPU")
+                for g in msg.gpus:
+                    gm = self.gpus[g.index]
+                    self.expect(g.mode == gm.mode and g.scheduler_on == gm.enabled, c, pend, msg, "mode / switch")
+            case p.ClientsReply():
+                ids = sorted(i.client_id for i in msg.clients)
+                self.expect(ids == sorted(x.client_id for x in self.connected()), c, pend, msg, "connected clients")
+            case p.PoliciesReply() | p.Ok():
+                pass
+            case _:
+                self.fail(f"client {c.cid}: {short(pend.msg)} answered {short(msg)}")
+
+    def apply_admin(self, pend: Pending) -> None:
+        msg = pend.msg
+        gpus = self.gpus if getattr(msg, "gpu", None) is None else [self.gpus[msg.gpu]]
+        match msg:
+            case p.SetMode():
+                for gm in gpus:
+                    gm.mode = p.Mode(msg.mode)
+            case p.SetTq():
+                for gm in gpus:
+                    gm.tq_us = max(1, round(msg.seconds * 1e6))
+            case p.SchedOn() | p.SchedOff():
+                on = isinstance(msg, p.SchedOn)
+                for gm in gpus:
+                    gm.enabled = on
+                    if not on:  # the daemon cancels pending drops while off
+                        for s in self.sessions_on(gm.index):
+                            s.drop_at = s.drop_reason = None
+            case p.ResetAllocations():
+                for task in pend.info["tasks"]:
+                    self.acked.pop(task, None)
+                return
+            case _:
+                return
+        for gm in gpus:  # the rules the bounds were derived under changed: no bound for those waiting now
+            for s in self.sessions_on(gm.index):
+                s.bound = None
+
+    def answer_attach(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.Attach = pend.msg
+        cap = self.config.max_sessions_per_connection
+        owner = self.acked.get(m.task_id) if m.task_id else None
+        expected = None
+        if len(c.sessions) + len(c.leases) + len(c.waiting_leases()) >= cap:
+            expected = p.ErrorCode.LIMIT_REACHED
+        elif m.priority > self.ceiling(c):
+            expected = p.ErrorCode.PERMISSION_DENIED
+        elif owner is not None and owner.uid != c.uid and not c.admin:
+            expected = p.ErrorCode.PERMISSION_DENIED
+        if isinstance(msg, p.Error):
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'ATTACHED'}")
+            return
+        self.expect(isinstance(msg, p.Attached) and expected is None, c, pend, msg, f"expected {expected}")
+        gpu = m.gpu if isinstance(m.gpu, int) else pend.info["gpu"]
+        self.expect(msg.gpu == gpu and all(msg.session not in x.sessions for x in self.clients), c, pend, msg,
+                    "a new session on the GPU asked for")
+        core_ceiling, mem_ceiling = self.fraction_ceilings(c, gpu, m.task_id)
+        core = min(m.core_limit, core_ceiling)
+        mem = m.mem_limit if mem_ceiling is None else (mem_ceiling if m.mem_limit is None else min(m.mem_limit, mem_ceiling))
+        self.expect(msg.core_limit == core and msg.mem_limit == mem, c, pend, msg,
+                    f"limits: expected core {core} mem {mem} (the allocation's ceilings {core_ceiling}/{mem_ceiling})")
+        c.sessions[msg.session] = Sess(msg.session, gpu, m.priority, msg.core_limit, m.mem_estimate, msg.mem_limit,
+                                       m.task_id, core_ceiling, mem_ceiling)
+
+    def answer_lock_request(self, c: Client, pend: Pending, msg: Any) -> None:
+        s = c.sessions.get(pend.info["sid"])
+        self.expect(isinstance(msg, p.Error) and s is not None, c, pend, msg, "LOCK_REQUEST is answered only by an error")
+        assert s is not None
+        queued = len(self.daemon.slots[s.gpu].scheduler.queue())
+        self.expect(msg.code == p.ErrorCode.LIMIT_REACHED and queued >= self.config.max_lock_queue, c, pend, msg,
+                    f"{queued} queued, max_lock_queue {self.config.max_lock_queue}")
+        s.state = "idle"  # refused: nothing changed
+
+    def answer_lock_released(self, c: Client, pend: Pending, msg: Any) -> None:
+        ok = isinstance(msg, p.Error) and pend.info["stale"] and msg.code in (p.ErrorCode.NOT_HOLDER, p.ErrorCode.STALE_GRANT)
+        self.expect(ok, c, pend, msg, "only a stale LOCK_RELEASED is refused (not_holder / stale_grant)")
+
+    def answer_mem_update(self, c: Client, pend: Pending, msg: Any) -> None:
+        self.expect(False, c, pend, msg, "a MEM_UPDATE for the client's own session is not refused")
+
+    def answer_detach(self, c: Client, pend: Pending, msg: Any) -> None:
+        self.expect(isinstance(msg, p.Ok), c, pend, msg, "detaching one's own session")
+
+    def answer_set_limits(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.SetLimits = pend.msg
+        target: Client = pend.info["target"]
+        chosen = pend.info["chosen"]
+        expected = None
+        if target is not c and not c.admin:
+            expected = p.ErrorCode.PERMISSION_DENIED
+        elif not chosen:
+            expected = p.ErrorCode.UNKNOWN_SESSION
+        elif not c.admin:
+            for s in chosen:
+                if m.core_limit is not None and m.core_limit > s.core_ceiling:
+                    expected = p.ErrorCode.PERMISSION_DENIED
+                if m.mem_limit is not None and s.mem_ceiling is not None and (m.mem_limit == 0 or m.mem_limit > s.mem_ceiling):
+                    expected = p.ErrorCode.PERMISSION_DENIED
+        if isinstance(msg, p.Error):
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'LIMITS_SET'}")
+            return
+        self.expect(isinstance(msg, p.LimitsSet) and expected is None, c, pend, msg, f"expected {expected}")
+        self.expect(sorted(msg.sessions) == sorted(s.sid for s in chosen), c, pend, msg, "the sessions chosen")
+        for s in chosen:
+            if c.admin:  # an admin's limits are the new ceilings
+                if m.core_limit is not None:
+                    s.core_ceiling = m.core_limit
+                if m.mem_limit is not None:
+                    s.mem_ceiling = m.mem_limit or None
+
+    def answer_acquire(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.Acquire = pend.msg
+        if isinstance(msg, p.Error):
+            cap = self.config.max_sessions_per_connection
+            expected: p.ErrorCode | None = None
+            if len(c.sessions) + len(c.leases) + len(c.waiting_leases()) >= cap:
+                expected = p.ErrorCode.LIMIT_REACHED
+            else:
+                expected = p.ErrorCode.PERMISSION_DENIED if (m.priority or 0) > self.ceiling(c) else None
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'a LEASE_RESULT'}")
+            return
+        self.expect(isinstance(msg, p.LeaseResult) and (m.priority or 0) <= self.ceiling(c), c, pend, msg,
+                    "a lease priority above the ceiling is refused")
+        gpu = pend.info["gpu"]
+        self.expect(msg.gpu == gpu, c, pend, msg, "the GPU asked for")
+        if msg.status == p.LeaseStatus.ACQUIRED:
+            rec = self.daemon.arbiter.by_id.get(msg.lease_id or "")
+            self.expect(rec is not None and rec.conn is c.conn, c, pend, msg, "the arbiter holds the lease for it")
+            assert rec is not None and msg.lease_id is not None
+            if self.now < self.grace_end:
+                self.fail(f"lease {msg.lease_id} granted {self.grace_end - self.now} us before the restart grace ends")
+            terms: LeaseTerms = pend.info["terms"]
+            self.expect(rec.terms == terms, c, pend, msg, f"lease terms {rec.terms}, expected {terms}")
+            lease = LeaseM(msg.lease_id, rec.sid, gpu, terms.priority, pend.info["seq"], self.now,
+                           terms.hold_max_ms * MS, terms.mem_estimate)
+            self.expect(all(msg.lease_id not in x.leases for x in self.clients), c, pend, msg, "a new lease id")
+            c.leases[msg.lease_id] = lease
+            self.stats["leases acquired" + (" after waiting" if self.now > pend.sent_at else "")] += 1
+            self.holds.setdefault(rec.sid, []).append([self.now, None])
+            self.grants_now.append((gpu, rec.sid, lease.seq, lease.priority, 0))
+            hold_max = LEASE_HOLD_MAX_US[c.kind]
+            if hold_max is not None:
+                self.later(self.now + self.rng.randrange(MS // 2, hold_max), "lease_release", c.cid, c.gen, msg.lease_id)
+            return
+        self.stats[f"leases refused ({msg.reason})"] += 1
+        terms = pend.info["terms"]
+        want = refusal_status(terms.busy_policy)
+        self.expect(msg.status == want, c, pend, msg, f"busy policy {terms.busy_policy} answers {want}")
+        if msg.reason in (p.LeaseReason.GPU_BUSY, p.LeaseReason.QUEUE_FULL):
+            self.expect(self.now == pend.sent_at, c, pend, msg, "refused on arrival only")
+            if msg.reason == p.LeaseReason.GPU_BUSY:
+                self.expect(terms.max_wait_ms == 0, c, pend, msg, f"GPU_BUSY only when max_wait is 0 ({terms})")
+            else:
+                queued = len(self.daemon.slots[gpu].scheduler.queue())
+                self.expect(terms.max_wait_ms > 0 and queued >= terms.queue_limit, c, pend, msg,
+                            f"QUEUE_FULL with {queued} queued, queue_limit {terms.queue_limit}")
+        elif msg.reason == p.LeaseReason.TIMEOUT:
+            self.expect(terms.max_wait_ms > 0, c, pend, msg,
+                        "its terms give max_wait 0 ms, which means only if free now: the answer is GPU_BUSY, "
+                        "never TIMEOUT")
+            self.expect(self.now >= pend.sent_at + terms.max_wait_ms * MS, c, pend, msg,
+                        f"timed out before its max_wait of {terms.max_wait_ms} ms")
+        else:
+            self.expect(False, c, pend, msg, "a refused lease says why")
+        self.expect(not pend.info.get("idle"), c, pend, msg, "the GPU was idle: the first holder is always admitted")
+
+    def answer_release(self, c: Client, pend: Pending, msg: Any) -> None:
+        if pend.info.get("other"):
+            self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED, c, pend, msg,
+                        "releasing another client's lease is refused")
+        else:
+            self.expect(isinstance(msg, p.Ok), c, pend, msg, "release is idempotent")
+
+    def answer_allocate(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.Allocate = pend.msg
+        info = pend.info
+        injected = self.injected > info["injected"] and pend.sent_at == self.now and pend.deadline is None
+        if isinstance(msg, p.Error):
+            if msg.code == p.ErrorCode.STORE_FAILED:
+                self.expect(injected, c, pend, msg, "store_failed without a failed store write")
+                return
+            self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
+            expected = info["expected"]
+            if expected is not None:
+                self.expect(msg.code == expected, c, pend, msg, f"expected {expected}")
+            elif msg.code == p.ErrorCode.INSUFFICIENT:
+                self.expect(m.task_id not in self.acked, c, pend, msg, "it is allocated: the same answer again")
+                if pend.deadline is not None:
+                    self.stats["allocation waits " + ("withdrawn" if info.get("withdrawn") else "expired")] += 1
+                if pend.deadline is not None and not info.get("withdrawn"):
+                    self.expect(self.now >= pend.deadline, c, pend, msg, f"gave up before wait_ms ({pend.deadline})")
+            elif msg.code == p.ErrorCode.LIMIT_REACHED:
+                waiting = len(self.daemon.allocator.waiters)
+                self.expect(m.wait_ms > 0 and waiting >= self.config.max_allocation_waiters, c, pend, msg,
+                            f"{waiting} allocation waiters, cap {self.config.max_allocation_waiters}")
+            elif msg.code == p.ErrorCode.INVALID:
+                self.expect(m.task_id in info["waiting_tasks"], c, pend, msg, "a valid request (unless already waiting)")
+            else:
+                self.expect(False, c, pend, msg, "unexpected refusal")
+            return
+        self.expect(isinstance(msg, p.Allocated) and info["expected"] is None, c, pend, msg,
+                    f"expected {info['expected']}")
+        self.expect(not injected, c, pend, msg, "ALLOCATED though its store write failed")
+        self.stats["allocations answered" + (" after waiting" if pend.deadline is not None else "")] += 1
+        share = round(msg.share * UNIT)
+        got = Acked(msg.task_id, c.uid, tuple(msg.gpus), share, tuple(msg.cpus), msg.tenant)
+        self.expect(msg.task_id == m.task_id and msg.cuda_visible_devices == ",".join(map(str, msg.gpus)), c, pend,
+                    msg, "task id / CUDA_VISIBLE_DEVICES")
+        before = self.acked.get(m.task_id)
+        if before is not None:
+            same = (before.gpus, before.share, before.cpus, before.tenant) == (got.gpus, got.share, got.cpus, got.tenant)
+            self.expect(same, c, pend, msg, f"the same task again must be the same allocation: {before}")
+            return
+        want = round(m.gpus * UNIT)
+        if want >= UNIT:
+            shape = len(got.gpus) == want // UNIT and share == UNIT
+        elif want > 0:
+            shape = len(got.gpus) == 1 and share == want
+        else:
+            shape = got.gpus == () and share == 0
+        self.expect(shape and len(set(got.gpus)) == len(got.gpus), c, pend, msg, "the GPUs asked for")
+        self.expect(len(got.cpus) == m.cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus), c,
+                    pend, msg, "the CPU cores asked for")
+        self.expect(got.tenant == m.tenant, c, pend, msg, "the tenant")
+        self.acked[m.task_id] = got
+
+    def answer_free(self, c: Client, pend: Pending, msg: Any) -> None:
+        task = pend.msg.task_id
+        info = pend.info
+        injected = self.injected > info["injected"]
+        if isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED:
+            self.expect(injected, c, pend, msg, "store_failed without a failed store write")
+            return
+        self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
+        expected = info["expected"]
+        if isinstance(msg, p.Error):
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'OK'}")
+            return
+        self.expect(isinstance(msg, p.Ok) and expected is None, c, pend, msg, f"expected {expected}")
+        if task in self.acked:
+            del self.acked[task]
+        else:
+            waiter = info["waiter"]
+            self.expect(waiter is not None, c, pend, msg, "freed a task that was neither allocated nor waiting")
+
+    # --- the client's side of each request ---------------------------------------------------------
+
+    def ceiling(self, c: Client) -> int:
+        if c.admin:
+            return 100
+        return self.config.priority_max_uids.get(str(c.uid), self.config.priority_max)
+
+    def fraction_ceilings(self, c: Client, gpu: int, task_id: str | None) -> tuple[int, int | None]:
+        """What a fractional allocation puts on a new session (core %, memory bytes): the one it
+        names, else the smallest of its uid's on the GPU (owner pids are never set here)."""
+        alloc = self.acked.get(task_id) if task_id else None
+        if alloc is None:
+            mine = [a for a in self.acked.values() if a.uid == c.uid and gpu in a.gpus and 0 < a.share < UNIT]
+            alloc = min(mine, key=lambda a: (a.share, a.task_id), default=None)
+        if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
+            return 100, None
+        return max(1, alloc.share * 100 // UNIT), self.gpus[gpu].total * alloc.share // UNIT
+
+    def all_pending(self, kind: str) -> list[Pending]:
+        return [q for c in self.clients for q in c.pending.values() if q.kind == kind]
+
+    def sessions_on(self, gpu: int) -> list[Sess]:
+        return [s for c in self.clients for s in c.sessions.values() if s.gpu == gpu]
+
+    def hello(self, c: Client, version: int = p.PROTOCOL_VERSION) -> None:
+        pend = self.send(c, p.Hello(id=c.rid(), version=version, name=f"c{c.cid}"), "HELLO")
+        self.finish(c, pend)
+        self.after_event()
+
+    def connect(self, c: Client, *, greet: bool = True) -> bool:
+        d = self.daemon
+        refusal = d.admission_refusal(c.uid)
+        mine = sum(1 for x in self.clients if x.conn is not None and x.uid == c.uid)
+        total = sum(1 for x in self.clients if x.conn is not None)
+        over = mine >= self.config.max_connections_per_uid or total >= self.config.max_connections
+        if (refusal is not None) != over:
+            self.fail(f"client {c.cid} (uid {c.uid}): admission {refusal} with {mine} of its uid's and {total} "
+                      f"connections open")
+        if refusal is not None:
+            self.event(f"client {c.cid}: connection refused ({refusal[0]})")
+            return False
+        c.conn = d.open((c.pid, c.uid, c.gid), frozenset(), -1, trio.CancelScope())
+        c.gen += 1
+        c.frames = p.FrameDecoder(p.MAX_REPLY_BYTES)
+        c.greeted = False
+        self.event(f"client {c.cid} ({c.kind}, uid {c.uid}, pid {c.pid}) connects: client id {c.conn.client_id}")
+        self.after_event()
+        if greet:
+            self.hello(c)
+        return True
+
+    def new_client(self) -> Client:
+        uid = self.rng.choice([ADMIN_UID, 0, *USERS, USERS[0], USERS[1]])
+        cid = len(self.clients) + 1
+        c = Client(cid, uid, self.rng.choice(KINDS), pid=100_000 + cid * 100)
+        self.clients.append(c)
+        return c
+
+    def attach(self, c: Client, *, gpu: int | None = None, priority: int | None = None, core_limit: int | None = None,
+               mem_estimate: Any = "draw", task_id: Any = "draw") -> Sess | None:
+        r = self.rng
+        gpu = r.randrange(len(self.gpus)) if gpu is None else gpu
+        if priority is None:
+            priority = r.choice([0, 0, 0, 0, 10, 10, 50, 60])
+        if core_limit is None:
+            core_limit = r.choice([100, 100, 100, 50, 20])
+        if mem_estimate == "draw":
+            mem_estimate = r.choice([None, GIB, 4 * GIB, 8 * GIB])
+        if task_id == "draw":
+            tasks = sorted(t for t, a in self.acked.items() if 0 < a.share < UNIT)
+            task_id = r.choice(tasks) if tasks and r.random() < 0.3 else None
+        mem_limit = r.choice([None, None, 2 * GIB, 12 * GIB])
+        ref: int | str = gpu if r.random() < 0.8 else r.choice([f"gpu:{gpu}", self.daemon.slots[gpu].gpu.uuid])
+        msg = p.Attach(id=c.rid(), gpu=ref, priority=priority, core_limit=core_limit, mem_limit=mem_limit,
+                       mem_estimate=mem_estimate, task_id=task_id)
+        before = set(c.sessions)
+        pend = self.send(c, msg, "ATTACH", gpu=gpu)
+        self.finish(c, pend)
+        self.after_event()
+        new = set(c.sessions) - before
+        return c.sessions[new.pop()] if new else None
+
+    def lock_request(self, c: Client, s: Sess) -> None:
+        s.state, s.seq, s.requested_at, s.bound = "waiting", next(self._seq), self.now, None
+        s.counted = set()
+        pend = self.send(c, p.LockRequest(id=c.rid(), session=s.sid), "LOCK_REQUEST", sid=s.sid)
+        self.finish(c, pend, answered_now=False)
+        if c.conn is not None and s.state == "waiting":
+            s.bound = self.lock_bound(s)
+        self.after_event()
+
+    def release(self, c: Client, s: Sess, *, grant: int | None, stale: bool = False) -> None:
+        if not stale:
+            s.state, s.drop_at, s.drop_reason = "idle", None, None
+            self.end_hold(s.sid)
+        msg = p.LockReleased(id=c.rid(), session=s.sid, grant=grant)
+        pend = self.send(c, msg, "LOCK_RELEASED", sid=s.sid, stale=stale)
+        self.finish(c, pend, answered_now=stale)
+        self.after_event()
+        if not stale and c.conn is not None and self.rng.random() < 0.5:
+            self.later(self.now + self.rng.randrange(0, 20 * MS), "request", c.cid, c.gen, s.sid)
+
+    def acquire(self, c: Client) -> None:
+        r = self.rng
+        gpu = r.randrange(len(self.gpus))
+        task = r.choice(TASK_TYPES)
+        max_wait = r.choice([None, None, 0, 5, 20, 100])
+        busy = r.choice([None, None, *p.BusyPolicy])
+        msg = p.Acquire(
+            id=c.rid(), gpu=gpu, task_type=task, priority=r.choice([None, None, None, 10, 50, 85]),
+            max_wait_ms=max_wait, hold_max_ms=r.choice([None, 10, 50]), queue_limit=r.choice([None, None, 0, 2]),
+            busy_policy=busy, mem_estimate=r.choice([None, GIB, 4 * GIB, 12 * GIB]),
+        )
+        terms = self.lease_terms(msg)
+        idle = not self.occupants(gpu) and self.gpus[gpu].enabled and self.now >= self.grace_end
+        pend = self.send(c, msg, "ACQUIRE", gpu=gpu, seq=next(self._seq), idle=idle, terms=terms)
+        if c.pending.get(pend.rid) is pend:  # not answered yet: it waits
+            rec = next((x for x in self.daemon.arbiter.by_sid.values() if x.conn is c.conn and x.request_id == pend.rid),
+                       None)
+            if rec is None:
+                self.fail(f"client {c.cid}: ACQUIRE {pend.rid} got no answer and the arbiter has no record of it")
+            assert rec is not None
+            if rec.terms != terms:
+                self.fail(f"lease terms {rec.terms}, expected {terms} (policy {self.daemon.arbiter.policies.get(msg.task_type)})")
+            pend.info.update(sid=rec.sid, priority=terms.priority, hold_max_us=terms.hold_max_ms * MS)
+            pend.deadline = pend.sent_at + terms.max_wait_ms * MS
+        self.after_event()
+
+    def lease_terms(self, m: p.Acquire) -> LeaseTerms:
+        """The lease's terms: the request's fields, cut to its task type's policy (tighten only)."""
+        cfg = self.config
+        return resolve_terms(
+            m.task_type, self.daemon.arbiter.policies, priority=m.priority, busy_policy=m.busy_policy,
+            max_wait_ms=m.max_wait_ms, queue_limit=m.queue_limit, hold_max_ms=m.hold_max_ms,
+            mem_estimate=m.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
+            default_hold_max_ms=cfg.lease_hold_max_ms,
+        )
+
+    def release_lease(self, c: Client, lease_id: str, *, other: bool = False) -> None:
+        quiet = not other and self.rng.random() < 0.3
+        if not other:
+            lease = c.leases.pop(lease_id, None)
+            if lease is not None:
+                self.end_hold(lease.sid)
+        pend = self.send(c, p.Release(id=c.rid(), lease_id=lease_id, quiet=quiet), "RELEASE", other=other)
+        self.finish(c, pend, answered_now=not quiet)
+        self.after_event()
+
+    def allocate(self, c: Client) -> None:
+        r = self.rng
+        own = [f"c{c.cid}-t{k}" for k in range(3)]
+        task = r.choice(own + own + SHARED_TASKS + sorted(self.acked)[:3])
+        gpus = r.choice([1.0, 1.0, 2.0, 0.5, 0.25, 0.3333, 0.0, 1.5, 9.0])
+        cpus = r.choice([0, 0, 1, 2] + ([0] if gpus else [1]))
+        tenant = r.choice([None, None, None, "team", "lab", "nope"])
+        priority = r.choice([None, None, 10, 60, 80])
+        wait_ms = r.choice([0, 0, 0, 20, 200, 1000])
+        prefer: list[int | str] = r.choice([[], [], [], [0], [len(self.gpus) - 1], [], [], [0], [1 % len(self.gpus)], [7]])
+        msg = p.Allocate(id=c.rid(), task_id=task, gpus=gpus, cpus=cpus, prefer=prefer,
+                         strategy=r.choice(list(p.Strategy)), tenant=tenant, priority=priority, wait_ms=wait_ms)
+        waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
+        owner_uid = self.acked[task].uid if task in self.acked else (
+            waiting[task].info["uid"] if task in waiting else None)
+        member = self.config.tenants.get(tenant or "")
+        expected: p.ErrorCode | None = None
+        if owner_uid is not None and owner_uid != c.uid and not c.admin:
+            expected = p.ErrorCode.PERMISSION_DENIED
+        elif member is not None and (member.uids or member.gids) and c.uid not in member.uids \
+                and c.gid not in member.gids and not c.admin:
+            expected = p.ErrorCode.PERMISSION_DENIED
+        elif (priority or 0) > self.ceiling(c):
+            expected = p.ErrorCode.PERMISSION_DENIED
+        elif 7 in prefer:
+            expected = p.ErrorCode.UNKNOWN_GPU
+        elif task in self.acked:
+            expected = None  # the same allocation again, whatever else the request says
+        elif task in waiting:
+            expected = p.ErrorCode.INVALID
+        elif gpus in (1.5, 9.0) or (gpus == 0 and cpus == 0) or (gpus > len(self.gpus)):
+            expected = p.ErrorCode.INVALID
+        elif tenant == "nope":
+            expected = p.ErrorCode.UNKNOWN_TENANT
+        cp, waiters = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters)
+        injected = self.injected
+        pend = self.send(c, msg, "ALLOCATE", uid=c.uid, client=c, expected=expected, injected=injected,
+                         waiting_tasks=sorted(waiting))
+        if c.pending.get(pend.rid) is pend:
+            if wait_ms == 0:
+                self.fail(f"client {c.cid}: ALLOCATE with wait_ms 0 was not answered at once")
+            pend.deadline = pend.sent_at + wait_ms * MS
+        if self.injected > injected:
+            self.check_rolled_back(cp, waiters, f"ALLOCATE {task}")
+        self.after_event()
+
+    def free(self, c: Client) -> None:
+        r = self.rng
+        waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
+        mine = sorted(t for t, a in self.acked.items() if a.uid == c.uid)
+        task = r.choice(mine + mine + mine + sorted(self.acked) + sorted(waiting) * 2 + ["never-allocated"])
+        alloc = self.acked.get(task)
+        waiter = waiting.get(task)
+        expected: p.ErrorCode | None = None
+        if alloc is None and waiter is None:
+            expected = p.ErrorCode.UNKNOWN_TASK
+        elif alloc is None:
+            assert waiter is not None
+            if waiter.info["client"] is not c and not c.admin:
+                expected = p.ErrorCode.PERMISSION_DENIED
+        elif not c.admin and alloc.uid != c.uid:
+            tenant = self.config.tenants.get(alloc.tenant or "")
+            if tenant is None or (c.uid not in tenant.uids and c.gid not in tenant.gids):
+                expected = p.ErrorCode.PERMISSION_DENIED
+        if waiter is not None and expected is None and alloc is None:
+            waiter.info["withdrawn"] = True
+        cp, waiters = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters)
+        injected = self.injected
+        pend = self.send(c, p.Free(id=c.rid(), task_id=task), "FREE", expected=expected, waiter=waiter, injected=injected)
+        self.finish(c, pend)
+        if self.injected > injected:
+            self.check_rolled_back(cp, waiters, f"FREE {task}")
+        self.after_event()
+
+    def check_rolled_back(self, cp: Any, waiters: dict[str, Any], what: str) -> None:
+        led, alloc = self.daemon.allocator.ledger, self.daemon.allocator
+        if led.checkpoint() != cp:
+            self.fail(f"{what}: the store write failed but the ledger is not as it was before")
+        if dict(alloc.waiters) != waiters:
+            self.fail(f"{what}: the store write failed but the allocation waiters changed "
+                      f"({sorted(waiters)} -> {sorted(alloc.waiters)})")
+
+    # --- the bound on a lock wait -----------------------------------------------------------------
+
+    def hold_bound(self, gpu: int, kind: str, client: Client, hold_max_us: int | None) -> int | None:
+        """How long one grant can keep a waiting request behind it waiting (None: unbounded).
+
+        A session: while the request we bound waits, an unthrottled waiter exists (that
+        request itself: only unlimited sessions get a bound), so the daemon drops every
+        session holder (reason tq) once it has held TQ since its grant: a holder granted
+        at g leaves by g + TQ + drop_timeout (released, or revoked drop_timeout after
+        the DROP_LOCK); one that already held the GPU when the request came (at t0) is
+        dropped at max(g + TQ, t0) and leaves by t0 + TQ + drop_timeout. Drops for
+        quota, preemption or memory only come earlier (and are revoked just as late).
+        So TQ + drop_timeout, counted from the grant or from the request, whichever is
+        later. A lease is never dropped: hold_max if the daemon releases it by force,
+        else only the client's own habit (the model's longest hold for its kind, or
+        never, for an abandoner, and then there is no bound)."""
+        if kind == "session":
+            return self.gpus[gpu].tq_us + self.dt_us
+        own = LEASE_HOLD_MAX_US[client.kind]
+        if self.config.lease_force_release and hold_max_us is not None:
+            return hold_max_us if own is None else min(own, hold_max_us)
+        return own
+
+    def occupants(self, gpu: int) -> list[tuple[str, Client, int, int, int, bool, int | None]]:
+        """(kind, client, sid, seq, priority, holding, hold_max_us) of everything on the GPU."""
+        out: list[tuple[str, Client, int, int, int, bool, int | None]] = []
+        for c in self.clients:
+            for s in c.sessions.values():
+                if s.gpu == gpu and s.state != "idle":
+                    out.append(("session", c, s.sid, s.seq, s.priority, s.state == "holding", None))
+            for lease in c.leases.values():
+                if lease.gpu == gpu:
+                    out.append(("lease", c, lease.sid, lease.seq, lease.priority, True, lease.hold_max_us))
+            for q in c.waiting_leases():
+                if q.info["gpu"] == gpu:
+                    out.append(("lease", c, q.info["sid"], q.info["seq"], q.info["priority"], False,
+                                q.info["hold_max_us"]))
+        return out
+
+    def lock_bound(self, s: Sess) -> int | None:
+        """The latest a LOCK_REQUEST that waits must be granted, as far as TQ and
+        drop_timeout bound it; None where nothing does (a limited session also waits for
+        its budget; a lease ahead held by a client that never gives it back, with no
+        forced release).
+
+        The derivation. Let t0 = max(the request, the end of the restart grace: nothing
+        is granted before). Ahead of the request are the holders and the waiters before
+        it in the queue's order (higher priority first, then arrival). Nobody behind it
+        is admitted before it (``note_grants`` checks the order), and the GPU is never
+        idle while it waits unthrottled (``check_queue_match``), so it waits only while
+        someone ahead holds the GPU. Each of those holds at most ``hold_bound`` counted
+        from its grant or from t0, whichever is later, and the next one ahead is granted
+        the moment the previous one leaves (in serial mode; in concurrent mode several
+        hold at once, which only shortens the wait). Hence it is granted by
+
+            t0 + the sum of hold_bound over everyone ahead of it at t0,
+
+        exact in serial mode (each holds the GPU alone, one after the other) and generous
+        in concurrent mode. A request arriving later with a higher priority legitimately
+        goes ahead: each such grant extends the bound by its own hold_bound when it
+        happens (``note_grants``). A change of mode, TQ or the scheduler switch on the
+        GPU changes the rules the bound was derived under: it is voided (``apply_admin``)."""
+        gm = self.gpus[s.gpu]
+        if not gm.enabled or s.core_limit < 100:
+            return None
+        total = 0
+        for kind, client, sid, seq, priority, holding, hold_max in self.occupants(s.gpu):
+            if sid == s.sid:
+                continue
+            if holding or (-priority, seq) < (-s.priority, s.seq):
+                bound = self.hold_bound(s.gpu, kind, client, hold_max)
+                if bound is None:
+                    return None
+                total += bound
+                s.counted.add((sid, seq))
+        return max(self.now, self.grace_end) + total
+
+    def note_grants(self) -> None:
+        """Grants of this event: numbered in order, in queue order, extending bounds for those
+        who legitimately went ahead."""
+        for gm in self.gpus:
+            numbers = sorted(x[4] for x in self.grants_now if x[0] == gm.index and x[4])
+            if numbers and (numbers[0] <= gm.last_grant or len(set(numbers)) != len(numbers)):
+                self.fail(f"GPU {gm.index}: grants {numbers} after grant {gm.last_grant} (numbers must grow)")
+            if numbers:
+                gm.last_grant = numbers[-1]
+        for gpu, sid, seq, priority, _ in self.grants_now:
+            gm = self.gpus[gpu]
+            if not gm.enabled:
+                continue
+            self.stats[f"grants checked for queue order ({gm.mode})"] += 1
+            view = {w.session: w for w in self.daemon.slots[gpu].scheduler.view(self.now).queue}
+            for c in self.clients:
+                for s in c.sessions.values():
+                    if s.gpu != gpu or s.state != "waiting" or s.sid == sid:
+                        continue
+                    # Only a waiter that cannot have been throttled at the grant (no limit, none set in
+                    # this event) is certain to have been passed over.
+                    unlimited = s.core_limit >= 100 and not s.limits_changed
+                    if unlimited and s.sid in view and (-s.priority, s.seq) < (-priority, seq):
+                        self.fail(f"GPU {gpu}: {sid} (priority {priority}, arrival {seq}) granted while session "
+                                  f"{s.sid} (priority {s.priority}, arrival {s.seq}) waits ahead of it")
+                    if s.bound is not None and (sid, seq) not in s.counted:
+                        s.counted.add((sid, seq))
+                        owner = next((x for x in self.clients if sid in x.sessions
+                                      or any(lease.sid == sid for lease in x.leases.values())), None)
+                        if owner is None:
+                            continue  # gone in the same event: it holds nothing any more
+                        lease = next((lease for lease in owner.leases.values() if lease.sid == sid), None)
+                        extra = self.hold_bound(gpu, "lease" if lease else "session", owner,
+                                                lease.hold_max_us if lease else None)
+                        s.bound = None if extra is None else s.bound + extra
+        self.grants_now.clear()
+        for c in self.clients:
+            for s in c.sessions.values():
+                s.limits_changed = False
+
+    # --- the daemon's timers and the clients' own time --------------------------------------------
+
+    def next_due(self) -> int | None:
+        d = self.daemon
+        times = [t for t in (s.scheduler.next_deadline() for s in d.slots) if t is not None]
+        ledger = d.allocator.ledger.next_deadline()
+        if ledger is not None:
+            times.append(ledger)
+        if self.agenda:
+            times.append(self.agenda[0][0])
+        return min(times, default=None)
+
+    def advance(self, to: int) -> None:
+        """Move time to ``to``, running every deadline on the way at its instant, as the
+        shell's timer tasks do, and every client action planned before it."""
+        while (due := self.next_due()) is not None and due <= to:
+            self.now = max(self.now, due)
+            self.run_due()
+        self.now = max(self.now, to)
+
+    def run_due(self) -> None:
+        """Every timer due now (one event: the timers of one instant), then the clients'
+        actions planned for now, one event each."""
+        d = self.daemon
+        fired = []
+        for slot in d.slots:
+            deadline = slot.scheduler.next_deadline()
+            if deadline is not None and deadline <= self.now:
+                fired.append(f"GPU {slot.gpu.index}")
+                d.carry_out(slot, slot.scheduler.advance(self.now), self.now)
+                self.deliver()
+        deadline = d.allocator.ledger.next_deadline()
+        if deadline is not None and deadline <= self.now:
+            fired.append("allocations")
+            d.allocator.advance(self.now)
+            self.deliver()
+        if fired:
+            self.event("timers: " + ", ".join(fired))
+            self.after_event()
+            deadline = d.allocator.ledger.next_deadline()
+            if deadline is not None and deadline <= self.now:
+                self.fail(f"an allocation deadline {self.now - deadline} us old is due but was not acted on")
+            self.spins = self.spins + 1 if self.now == self.last_due else 0
+            self.last_due = self.now
+            if self.spins > 1000:
+                self.fail("the timers make no progress: their deadlines stay due")
+        while self.agenda and self.agenda[0][0] <= self.now:
+            _, _, what, args = heapq.heappop(self.agenda)
+            getattr(self, "later_" + what)(*args)
+
+    def client(self, cid: int, gen: int | None) -> Client | None:
+        c = self.clients[cid - 1]
+        if c.conn is None or not c.greeted or (gen is not None and c.gen != gen):
+            return None
+        return c
+
+    def later_release(self, cid: int, gen: int, sid: int, grant: int) -> None:
+        c = self.client(cid, gen)
+        s = c.sessions.get(sid) if c else None
+        if c is None or s is None:
+            return
+        if s.state == "holding" and s.grant == grant:
+            self.release(c, s, grant=grant if self.rng.random() < 0.8 else None)
+        elif c.kind in ("slow", "stubborn"):  # too late: it was revoked meanwhile
+            self.release(c, s, grant=grant, stale=True)
+
+    def later_request(self, cid: int, gen: int, sid: int) -> None:
+        c = self.client(cid, gen)
+        s = c.sessions.get(sid) if c else None
+        if c is not None and s is not None and s.state == "idle":
+            self.lock_request(c, s)
+
+    def later_lease_release(self, cid: int, gen: int, lease_id: str) -> None:
+        c = self.client(cid, gen)
+        if c is not None and lease_id in c.leases:
+            self.release_lease(c, lease_id)
+
+    def later_reconnect(self, cid: int) -> None:
+        """The client library after the daemon came back: connect, HELLO, attach again."""
+        c = self.clients[cid - 1]
+        if c.conn is not None or not c.alive:
+            return
+        intents, c.intents = c.intents, []
+        if not self.connect(c):
+            self.later(self.now + self.rng.randrange(MS, 50 * MS), "reconnect", cid)
+            c.intents = intents
+            return
+        for intent in intents:
+            if c.conn is None or not c.greeted:
+                return
+            s = self.attach(c, gpu=intent["gpu"], priority=intent["priority"], core_limit=intent["core_limit"],
+                            mem_estimate=intent["mem_estimate"], task_id=intent["task_id"])
+            if s is not None and intent["busy"] and c.conn is not None:
+                self.lock_request(c, s)
+
+    # --- one step -----------------------------------------------------------------------------------
+
+    STEPS: list[tuple[str, float]] = [
+        ("advance", 30), ("connect", 3), ("attach", 6), ("lock_request", 14), ("release", 3), ("detach", 1.5),
+        ("mem_update", 3), ("set_limits", 2.5), ("acquire", 9), ("release_lease", 1.5), ("allocate", 7),
+        ("free", 4), ("admin", 3), ("query", 1.5), ("misc", 1.5), ("crash_client", 1.2), ("crash_daemon", 0.35),
+        ("restart_daemon", 0.15),
+    ]
+
+    def run(self) -> None:
+        names = [n for n, _ in self.STEPS]
+        weights = [w for _, w in self.STEPS]
+        with quiet_logs():
+            try:
+                for _ in range(2):
+                    self.do_connect()
+                for self.step_no in range(1, self.steps + 1):
+                    step = self.rng.choices(names, weights)[0]
+                    getattr(self, "do_" + step)()
+                    if self.step_no % 50 == 0:
+                        self.check_fresh_store()
+                self.check_fresh_store()
+            finally:
+                with contextlib.suppress(Exception):
+                    self.daemon.allocator.store.close()
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def pick(self, items: list[Any]) -> Any:
+        return self.rng.choice(items) if items else None
+
+    def do_advance(self) -> None:
+        r = self.rng
+        gm = self.gpus[0]
+        step = r.choice([0, 100, MS, 3 * MS, gm.tq_us // 2, gm.tq_us, self.dt_us, 30 * MS, 150 * MS])
+        self.advance(self.now + step)
+
+    def do_connect(self) -> None:
+        idle = [c for c in self.clients if c.conn is None]
+        if len(self.clients) < MAX_CLIENTS and (not idle or self.rng.random() < 0.5):
+            c = self.new_client()
+        else:
+            c = self.pick(idle)
+            if c is None:
+                return self.do_advance()
+            if not c.alive:  # a new process of the same program
+                c.alive, c.pid = True, c.pid + 1
+        self.connect(c, greet=self.rng.random() < 0.97)
+
+    def do_attach(self) -> None:
+        c = self.pick(self.connected())
+        if c is not None:
+            self.attach(c)
+
+    def do_lock_request(self) -> None:
+        idle = [(c, s) for c in self.connected() for s in c.sessions.values() if s.state == "idle"]
+        if not idle:
+            return self.do_attach()
+        self.lock_request(*self.pick(idle))
+
+    def do_release(self) -> None:
+        holding = [(c, s) for c in self.connected() for s in c.sessions.values() if s.state == "holding"]
+        if holding:
+            c, s = self.pick(holding)
+            self.release(c, s, grant=s.grant)
+
+    def do_detach(self) -> None:
+        some = [(c, s) for c in self.connected() for s in c.sessions.values()]
+        if not some:
+            return
+        c, s = self.pick(some)
+        del c.sessions[s.sid]
+        self.end_hold(s.sid)
+        pend = self.send(c, p.Detach(id=c.rid(), session=s.sid), "DETACH")
+        self.finish(c, pend)
+        self.after_event()
+
+    def do_mem_update(self) -> None:
+        some = [(c, s) for c in self.connected() for s in c.sessions.values()]
+        if not some:
+            return
+        c, s = self.pick(some)
+        s.mem_used = self.rng.choice([0, GIB, 6 * GIB, 12 * GIB, 15 * GIB])
+        pend = self.send(c, p.MemUpdate(id=c.rid(), session=s.sid, used_bytes=s.mem_used), "MEM_UPDATE")
+        self.finish(c, pend, answered_now=False)
+        self.after_event()
+
+    def do_set_limits(self) -> None:
+        c = self.pick(self.connected())
+        if c is None:
+            return
+        r = self.rng
+        target = c if r.random() < 0.6 else self.pick(self.connected())
+        gpu = r.choice([None, None, r.randrange(len(self.gpus))])
+        sids = sorted(target.sessions)
+        session = r.choice([None, None, *sids[:2]])
+        core = r.choice([None, 10, 30, 60, 100])
+        mem = r.choice([None, None, 0, 4 * GIB])
+        if core is None and mem is None:
+            core = 50
+        chosen = [s for s in target.sessions.values()
+                  if (gpu is None or s.gpu == gpu) and (session is None or s.sid == session)]
+        msg = p.SetLimits(id=c.rid(), client=None if target is c else target.client_id, gpu=gpu, session=session,
+                          core_limit=core, mem_limit=mem)
+        pend = self.send(c, msg, "SET_LIMITS", target=target, chosen=chosen)
+        self.finish(c, pend)
+        self.after_event()
+
+    def do_acquire(self) -> None:
+        c = self.pick(self.connected())
+        if c is not None:
+            self.acquire(c)
+
+    def do_release_lease(self) -> None:
+        c = self.pick(self.connected())
+        if c is None:
+            return
+        others = [lid for x in self.clients if x is not c for lid in x.leases]
+        roll = self.rng.random()
+        if c.leases and roll < 0.7:
+            self.release_lease(c, self.pick(sorted(c.leases)))
+        elif others and roll < 0.85:
+            self.release_lease(c, self.pick(sorted(others)), other=True)
+        else:
+            self.release_lease(c, "gone-1")  # released already, or never existed: OK all the same
+
+    def do_allocate(self) -> None:
+        c = self.pick(self.connected())
+        if c is not None:
+            self.allocate(c)
+
+    def do_free(self) -> None:
+        c = self.pick(self.connected())
+        if c is not None:
+            self.free(c)
+
+    def do_admin(self) -> None:
+        admins = [c for c in self.connected() if c.admin]
+        c = self.pick(admins) if admins and self.rng.random() < 0.85 else self.pick(self.connected())
+        if c is None:
+            return
+        r = self.rng
+        gpu = r.choice([None, r.randrange(len(self.gpus))])
+        off = [gm.index for gm in self.gpus if not gm.enabled]
+        op = r.choices(["mode", "tq", "sched", "policy", "reset"], [4, 2, 2, 2, 0.4])[0]
+        rid = c.rid()
+        if op == "mode":
+            msg: Any = p.SetMode(id=rid, mode=r.choice(list(p.Mode)), gpu=gpu)
+        elif op == "tq":
+            msg = p.SetTq(id=rid, seconds=r.choice([0.005, 0.02, 0.1]), gpu=gpu)
+        elif op == "sched":
+            msg = p.SchedOn(id=rid, gpu=gpu) if off and r.random() < 0.8 else p.SchedOff(id=rid, gpu=gpu)
+        elif op == "policy":
+            msg = p.SetPolicy(id=rid, task_type=r.choice(TASK_TYPES), priority=r.choice([None, 40, 95]),
+                              max_wait_ms=r.choice([None, 0, 30]), queue_limit=r.choice([None, 1, 4]),
+                              hold_max_ms=r.choice([None, 20]), busy_policy=r.choice([None, *p.BusyPolicy]))
+        else:
+            msg = p.ResetAllocations(id=rid)
+        kind = str(msg.__struct_config__.tag)
+        cp, waiters, injected = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters), self.injected
+        pend = self.send(c, msg, kind, tasks=sorted(self.acked), injected=injected)
+        self.finish(c, pend)
+        if self.injected > injected:
+            self.check_rolled_back(cp, waiters, "RESET_ALLOCS")
+        self.after_event()
+
+    def answer_reset_allocs(self, c: Client, pend: Pending, msg: Any) -> None:
+        injected = self.injected > pend.info["injected"]
+        if c.admin and injected:
+            self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED, c, pend, msg,
+                        "the store write failed: expected store_failed")
+            return
+        self.answer_simple(c, pend, msg)
+
+    def do_query(self) -> None:
+        c = self.pick(self.connected())
+        if c is None:
+            return
+        kind = self.rng.choice([p.Status, p.ListClients, p.ListLeases, p.ListAllocations, p.ListPolicies])
+        msg = kind(id=c.rid())
+        pend = self.send(c, msg, str(msg.__struct_config__.tag))
+        self.finish(c, pend)
+        self.after_event()
+
+    def do_misc(self) -> None:
+        r = self.rng
+        roll = r.random()
+        c = self.pick(self.connected())
+        silent = [x for x in self.clients if x.conn is not None and not x.greeted]
+        if silent:  # connected without HELLO: a request first (refused), then HELLO
+            fresh = self.pick(silent)
+        elif roll < 0.3 or c is None:
+            fresh = self.pick([x for x in self.clients if x.conn is None and x.alive])
+            if fresh is None or not self.connect(fresh, greet=False):
+                return
+        if silent or roll < 0.3 or c is None:
+            pend = self.send(fresh, p.Attach(id=fresh.rid(), gpu=0), "ATTACH")
+            self.finish(fresh, pend)
+            self.after_event()
+            if fresh.conn is not None:
+                self.hello(fresh, version=p.PROTOCOL_VERSION if r.random() < 0.8 else 2)
+        elif roll < 0.45:
+            self.hello(c)  # again: refused, nothing changes
+        elif roll < 0.65:  # someone else's session
+            theirs = [s for x in self.clients if x is not c for s in x.sessions.values()]
+            s = self.pick(theirs)
+            if s is not None:
+                pend = self.send(c, p.LockRequest(id=c.rid(), session=s.sid), "FOREIGN", sid=s.sid)
+                self.finish(c, pend)
+                self.after_event()
+        else:
+            pend = self.send(c, p.ReportOom(id=c.rid(), gpu=r.randrange(len(self.gpus)), task_type="ASR"), "REPORT_OOM")
+            self.finish(c, pend)
+            self.after_event()
+
+    def answer_foreign(self, c: Client, pend: Pending, msg: Any) -> None:
+        self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_SESSION, c, pend, msg,
+                    "another client's session is not this connection's")
+
+    def do_crash_client(self) -> None:
+        c = self.pick([x for x in self.clients if x.conn is not None])
+        if c is None:
+            return
+        self.lose_connection(c, "the process crashed", crashed=True)
+        self.after_event()
+        if c.kind == "crashy" or self.rng.random() < 0.5:  # restarted by its supervisor
+            self.later(self.now + self.rng.randrange(MS, 100 * MS), "reconnect", c.cid)
+            c.alive, c.pid = True, c.pid + 1
+
+    def do_crash_daemon(self) -> None:
+        """gpud dies: no GOODBYE, no close; its clients see their connections end. A new
+        daemon starts on the same state directory, with the restart grace."""
+        self.event("the daemon crashes")
+        self.stats["daemon crashes"] += 1
+        self.restart(grace_us=round(self.config.restart_grace_s * 1e6))
+
+    def do_restart_daemon(self) -> None:
+        """gpud stops cleanly (GOODBYE, then every connection closes) and starts again."""
+        d = self.daemon
+        self.event("the daemon shuts down (GOODBYE)")
+        self.stats["daemon restarts (GOODBYE)"] += 1
+        self.goodbye_expected = True
+        d.farewell("restart")
+        greeted = [c for c in self.clients if c.conn is not None and c.conn.greeted]
+        got = {c.cid for c in greeted if any(b"GOODBYE" in chunk for chunk in c.conn.pending)}  # type: ignore[union-attr]
+        self.deliver()
+        c = self.pick(self.connected())
+        if c is not None:
+            pend = self.send(c, p.Status(id=c.rid()), "STATUS")
+            self.finish(c, pend)
+        missing = sorted(x.cid for x in greeted if x.cid not in got)
+        if missing:
+            self.fail(f"clients {missing} got no GOODBYE")
+        for x in self.clients:
+            if x.conn is not None:  # each connection ends (the listener closes it after GOODBYE)
+                self.lose_connection(x, "closed after GOODBYE", crashed=False, keep_intents=True)
+                self.after_event()
+                if x.alive:
+                    self.later(self.now + self.rng.randrange(0, 50 * MS), "reconnect", x.cid)
+        self.goodbye_expected = False
+        self.restart(grace_us=0)
+
+    def restart(self, *, grace_us: int) -> None:
+        old = self.daemon
+        old.allocator.store.close()
+        for c in self.clients:
+            if c.conn is not None:
+                self.closed_conns.append(c.conn)
+                self.forget_connection(c, keep_intents=True)
+                if c.alive:
+                    self.later(self.now + self.rng.randrange(0, 50 * MS), "reconnect", c.cid)
+        self.agenda = [e for e in self.agenda if e[2] == "reconnect"]
+        heapq.heapify(self.agenda)
+        self.now += self.rng.choice([0, 100, 5 * MS])
+        self.daemon = self.build_daemon(grace_us)
+        self.event(f"a new daemon starts (restart grace {grace_us} us)")
+        self.check_fresh_store()
+        self.after_event()
+
+    # --- the checks ---------------------------------------------------------------------------------
+
+    def after_event(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for judge in deferred:
+            judge()
+        self._last_grants = list(self.grants_now)
+        self.note_grants()
+        self.check()
+
+    def check(self) -> None:
+        d, now = self.daemon, self.now
+        if self.faults:
+            self.fail("the daemon counted a fault:\n" + self.faults[0])
+        conns = {c.conn.client_id: c.conn for c in self.clients if c.conn is not None}
+        if d.connections != conns:
+            self.fail(f"the daemon's connections {sorted(d.connections)} are not the open ones {sorted(conns)}")
+        for conn in self.closed_conns:
+            if conn.pending:
+                self.fail(f"the daemon wrote to closed connection {conn.client_id}: {list(conn.pending)[:2]}")
+        self._waiting = [(c, q) for c in self.clients for q in c.waiting_leases()]
+        owned: dict[int, Client] = {}
+        for c in self.clients:
+            for sid in c.sessions:
+                owned[sid] = c
+            for lease in c.leases.values():
+                owned[lease.sid] = c
+        for c, q in self._waiting:
+            owned[q.info["sid"]] = c
+        daemon_owned = {sid: conn.client_id for sid, conn in d.owners.items()}
+        model_owned = {sid: c.conn.client_id for sid, c in owned.items() if c.conn is not None}
+        if daemon_owned != model_owned:
+            self.fail(f"the daemon's owners {daemon_owned} are not what the clients hold {model_owned}")
+        arb = d.arbiter
+        held = {lease.sid for c in self.clients for lease in c.leases.values()}
+        waiting = {q.info["sid"] for _, q in self._waiting}
+        if set(arb.by_sid) != held | waiting:
+            self.fail(f"the arbiter's leases {sorted(arb.by_sid)} are not the clients' held {sorted(held)} "
+                      f"and waiting {sorted(waiting)}")
+        for slot in d.slots:
+            self.check_gpu(slot)
+        for c in self.clients:
+            for q in c.pending.values():
+                if q.deadline is not None and now > q.deadline:
+                    self.fail(f"client {c.cid}: {short(q.msg)} sent at {q.sent_at} still unanswered "
+                              f"{now - q.deadline} us after its deadline")
+        self.check_allocations()
+
+    def check_gpu(self, slot: Any) -> None:
+        """Every rule about one GPU, each its own method (so an experiment can tell them apart)."""
+        sched = slot.scheduler
+        g = slot.gpu.index
+        sched.check()
+        sessions = [(c, s) for c in self.clients for s in c.sessions.values() if s.gpu == g]
+        leases = [(c, lease) for c in self.clients for lease in c.leases.values() if lease.gpu == g]
+        waiting_leases = [q.info["sid"] for c, q in self._waiting if q.info["gpu"] == g]
+        on = GpuNow(g, self.gpus[g], sched, sched.view(self.now), sessions, leases, held_leases(leases), waiting_leases)
+        for check in (self.check_settings, self.check_holders_match, self.check_queue_match, self.check_serial,
+                      self.check_memory, self.check_drops_and_tq, self.check_quota, self.check_lock_bounds,
+                      self.check_lease_holds):
+            check(on)
+        self.check_billing(sched, on.gm, [s.sid for _, s in sessions] + sorted(on.lease_sids) + waiting_leases)
+
+    def check_settings(self, on: GpuNow) -> None:
+        """Mode, switch and TQ are what the admins were told; nothing due is left undone."""
+        v, gm = on.view, on.gm
+        if (v.mode, v.enabled, v.tq_us) != (gm.mode, gm.enabled, gm.tq_us):
+            self.fail(f"GPU {on.g}: mode/on/TQ {v.mode}/{v.enabled}/{v.tq_us} but admins were told "
+                      f"{gm.mode}/{gm.enabled}/{gm.tq_us}")
+        deadline = on.sched.next_deadline()
+        if deadline is not None and deadline <= self.now:
+            self.fail(f"GPU {on.g}: a deadline {self.now - deadline} us old is due but was not acted on")
+
+    def check_holders_match(self, on: GpuNow) -> None:
+        """The daemon's holders (and their pending drops) are exactly what connected clients
+        believe they hold: nothing held for, or granted to, anyone else."""
+        model: dict[int, int | str] = {s.sid: s.grant for _, s in on.sessions if s.state == "holding"}
+        model.update({sid: "lease" for sid in on.lease_sids})
+        daemon = {h.session: "lease" if h.session in on.lease_sids else h.grant for h in on.view.holders}
+        if daemon != model:
+            self.fail(f"GPU {on.g}: the daemon's holders (session: grant) {daemon} are not what clients "
+                      f"believe they hold {model}")
+        mine = {s.sid: s for _, s in on.sessions}
+        for h in on.view.holders:
+            s = mine.get(h.session)
+            if s is not None and (h.drop_pending is None) != (s.drop_at is None):
+                self.fail(f"GPU {on.g}: session {h.session} drop pending {h.drop_pending} in the daemon, "
+                          f"{s.drop_reason} for its client")
+
+    def check_queue_match(self, on: GpuNow) -> None:
+        """The queue is exactly what clients wait for, and an idle GPU has no runnable waiter."""
+        waiting = {s.sid for _, s in on.sessions if s.state == "waiting"}
+        waiting |= set(on.waiting_leases)
+        queue = {w.session for w in on.view.queue}
+        if queue != waiting:
+            self.fail(f"GPU {on.g}: the daemon's queue {sorted(queue)} is not what clients wait for {sorted(waiting)}")
+        if on.gm.enabled and self.now >= self.grace_end and not on.view.holders and on.runnable:
+            self.fail(f"GPU {on.g}: nobody holds it but {on.runnable[0].session} waits, not throttled")
+
+    def check_serial(self, on: GpuNow) -> None:
+        """Serial: one holder, unless they were admitted before the GPU became serial or while
+        its scheduler was off (then: until it is down to one)."""
+        gm, holders = on.gm, on.view.holders
+        if gm.mode != p.Mode.SERIAL or not gm.enabled:
+            gm.serial_clean = False
+        elif len(holders) <= 1:
+            gm.serial_clean = True
+        elif gm.serial_clean:
+            self.fail(f"GPU {on.g}: {len(holders)} holders in serial mode: {[h.session for h in holders]}")
+
+    def check_memory(self, on: GpuNow) -> None:
+        """Concurrent and auto: a grant beside others fits the capacity (max of estimate and
+        reported use; unknown is the whole GPU); auto drops sessions while reported use overflows."""
+        gm, holders = on.gm, on.view.holders
+        need = {s.sid: self.need(gm, s.mem_estimate, s.mem_used) for _, s in on.sessions}
+        need.update({lease.sid: self.need(gm, lease.mem_estimate, None) for _, lease in on.leases})
+        granted = self._granted_on(on.g)
+        if gm.enabled and len(holders) > 1 and granted:
+            self.stats[f"grants beside another holder ({gm.mode})"] += 1
+        if gm.enabled and gm.mode != p.Mode.SERIAL and len(holders) > 1 and granted:
+            used = sum(need[h.session] for h in holders)
+            if used > gm.capacity:
+                self.fail(f"GPU {on.g}: granted in {gm.mode} mode with the holders needing {used} bytes > capacity "
+                          f"{gm.capacity} ({ {h.session: need[h.session] for h in holders} })")
+        if gm.enabled and gm.mode == p.Mode.AUTO:
+            staying = [h for h in holders if h.drop_pending is None]
+            over = sum(need[h.session] for h in staying) - gm.capacity
+            if over > 0 and len(staying) > 1 and any(h.session not in on.lease_sids for h in staying):
+                self.fail(f"GPU {on.g}: auto mode, holders' memory {over} bytes over capacity and no session dropped")
+
+    def check_drops_and_tq(self, on: GpuNow) -> None:
+        """A DROP_LOCK unanswered for drop_timeout has become a REVOKED; a session that has held
+        past TQ while a runnable request waits has its DROP_LOCK."""
+        dt, gm = self.dt_us, on.gm
+        for c, s in on.sessions:
+            if s.state != "holding":
+                continue
+            if s.drop_at is not None and self.now >= s.drop_at + dt:
+                self.fail(f"session {s.sid} still holds {self.now - s.drop_at} us after its DROP_LOCK "
+                          f"(drop_timeout {dt} us)")
+            if gm.enabled and on.runnable and self.now >= s.granted_at + gm.tq_us and s.drop_at is None:
+                self.fail(f"session {s.sid} (client {c.cid}) has held GPU {on.g} for {self.now - s.granted_at} us, "
+                          f"past TQ {gm.tq_us} us, while {on.runnable[0].session} waits, and has no DROP_LOCK "
+                          f"pending (one was {'sent' if s.drop_seen else 'never sent'} for this grant)")
+
+    def check_quota(self, on: GpuNow) -> None:
+        """A limited holder whose window budget is used up has its DROP_LOCK."""
+        if not on.gm.enabled:
+            return
+        acc = on.sched.accounts
+        for _, s in on.sessions:
+            if s.state == "holding" and s.core_limit < 100 and s.drop_at is None:
+                used, budget = acc.account(s.sid).used_ns, acc.budget_ns(s.sid)
+                if budget is not None and used >= budget:
+                    self.fail(f"session {s.sid} used {used} ns of its {budget} ns budget and runs undisturbed")
+
+    def check_lock_bounds(self, on: GpuNow) -> None:
+        """Every lock waiter with a bound (``lock_bound``) is granted by it."""
+        for c, s in on.sessions:
+            if s.state == "waiting" and s.bound is not None and self.now > s.bound:
+                self.fail(f"session {s.sid} (client {c.cid}, priority {s.priority}) has waited "
+                          f"{self.now - s.requested_at} us for GPU {on.g}, {self.now - s.bound} us past its bound "
+                          f"(TQ {on.gm.tq_us} us, drop_timeout {self.dt_us} us, {len(s.counted)} grants ahead of it)")
+
+    def check_lease_holds(self, on: GpuNow) -> None:
+        """With forced release on, no lease is held past its hold_max."""
+        if self.config.lease_force_release and on.gm.enabled:
+            for _, lease in on.leases:
+                if self.now >= lease.granted_at + lease.hold_max_us:
+                    self.fail(f"lease {lease.lease_id} held {self.now - lease.granted_at} us, past hold_max "
+                              f"{lease.hold_max_us} us, with forced release on")
+
+    def _granted_on(self, gpu: int) -> bool:
+        return any(x[0] == gpu for x in self._last_grants)
+
+    @staticmethod
+    def need(gm: GpuModel, estimate: int | None, used: int | None) -> int:
+        if estimate is None and used is None:
+            return gm.total  # unknown: it may need all of it
+        return max(estimate or 0, used or 0)
+
+    def check_billing(self, sched: Any, gm: GpuModel, sids: list[int]) -> None:
+        """Weighted billing never bills a session more than the time it held the GPU, nor
+        all of them together more than the wall time, window by window."""
+        now = self.now
+        acc = sched.accounts
+        W = acc.cfg.window_us
+        ws = acc.window_start
+        total = 0
+        for sid in sids:
+            a = acc.account(sid)
+            made = a.used_ns - a.carried_ns
+            held = overlap(self.holds.get(sid, []), ws, now, now)
+            if made > held * 1000:
+                self.fail(f"GPU {gm.index}: session {sid} billed {made} ns in the current window but held it "
+                          f"{held} us")
+            total += made
+        if total > (now - ws) * 1000:
+            self.fail(f"GPU {gm.index}: {total} ns billed in a window {now - ws} us old")
+        if gm.window_seen is not None and ws > gm.window_seen:
+            ended = (ws - gm.window_seen) // W
+            self.stats["finished windows checked"] += min(ended, acc.cfg.share_windows)
+            for j in range(1, min(ended, acc.cfg.share_windows) + 1):
+                lo, hi = ws - j * W, ws - (j - 1) * W
+                total = 0
+                for sid in sids:
+                    h = acc.account(sid).history
+                    if len(h) >= j:
+                        held = overlap(self.holds.get(sid, []), lo, hi, now)
+                        if h[-j] > held * 1000:
+                            self.fail(f"GPU {gm.index}: session {sid} billed {h[-j]} ns in window [{lo - START_US}, "
+                                      f"{hi - START_US}) but held the GPU {held} us of it")
+                        total += h[-j]
+                if total > W * 1000:
+                    self.fail(f"GPU {gm.index}: {total} ns billed in one window of {W} us")
+        gm.window_seen = ws
+
+    def check_allocations(self) -> None:
+        d = self.daemon
+        alloc, led = d.allocator, d.allocator.ledger
+        ledger = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant) for a in led.allocations()}
+        model = {t: (a.gpus, a.share, a.cpus, a.tenant) for t, a in self.acked.items()}
+        if ledger != model:
+            self.fail(f"the ledger {ledger} is not what was acknowledged {model}")
+        uids = {t: a.uid for t, a in self.acked.items()}
+        if alloc.uids != uids:
+            self.fail(f"the allocator's owners {alloc.uids} are not the acknowledged {uids}")
+        stored = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in alloc.store.load().records}
+        want = {t: (a.gpus, a.share, a.cpus, a.tenant, a.uid) for t, a in self.acked.items()}
+        if stored != want:
+            self.fail(f"the store holds {stored}, not what was acknowledged {want}")
+        waits = {q.msg.task_id for q in self.all_pending("ALLOCATE") if q.deadline is not None}
+        if set(alloc.waiters) != waits or {r.task_id for r in led.waiting()} != waits:
+            self.fail(f"allocation waiters: allocator {sorted(alloc.waiters)}, ledger "
+                      f"{sorted(r.task_id for r in led.waiting())}, clients {sorted(waits)}")
+        for slot in d.slots:
+            g = slot.gpu.index
+            free, tasks = led.gpu_free(g), led.gpu_tasks(g)
+            if not 0 <= free <= UNIT or free + sum(tasks.values()) != UNIT:
+                self.fail(f"GPU {g}: free {free} and tasks {tasks} do not add up to one GPU")
+        cores = [x for a in self.acked.values() for x in a.cpus]
+        if len(cores) != len(set(cores)) or set(cores) & set(led.cpus_free()) or \
+                len(cores) + len(led.cpus_free()) != SIM_CPUS:
+            self.fail(f"CPU cores: allocated {sorted(cores)}, free {led.cpus_free()}")
+        for name, t in self.config.tenants.items():
+            used = sum(len(a.gpus) * a.share for a in self.acked.values() if a.tenant == name)
+            if used > round((t.gpus + t.borrow) * UNIT):
+                self.fail(f"tenant {name} uses {used / UNIT} GPUs, over its quota {t.gpus} + borrow {t.borrow}")
+        for req in led.waiting():  # each waiter is served as soon as it fits
+            cp = led.checkpoint()
+            try:
+                led.allocate(dataclasses.replace(req, task_id=req.task_id + "+probe", wait_us=0), self.now)
+                fits = True
+            except (Insufficient, Refused):
+                fits = False
+            finally:
+                led.rollback(cp)
+            if fits:
+                self.fail(f"allocation {req.task_id} still waits though it fits now")
+            self.stats["allocation waiters probed"] += 1
+
+    def check_fresh_store(self) -> None:
+        """What a new daemon would read: exactly the acknowledged allocations."""
+        store = Store(self.state_dir)
+        try:
+            loaded = store.load()
+        finally:
+            store.close()
+        got = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in loaded.records}
+        want = {t: (a.gpus, a.share, a.cpus, a.tenant, a.uid) for t, a in self.acked.items()}
+        if got != want or loaded.unreadable:
+            self.fail(f"read back from the store: {got} (unreadable {loaded.unreadable}), acknowledged {want}")
+
+
+def held_leases(leases: list[tuple[Client, LeaseM]]) -> set[int]:
+    return {lease.sid for _, lease in leases}
+
+
+# --- running seeds ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    seed: int
+    ok: bool
+    report: str
+    events: int
+    seconds: float
+    stats: Counter[str] = field(default_factory=Counter)
+
+
+def command(seed: int, steps: int) -> str:
+    extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
+    return f".venv/bin/python -m tests.sim.daemon_sim --seed {seed}{extra}"
+
+
+def run_seed(seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False) -> Outcome:
+    began = time.perf_counter()
+    world = World(seed, steps, verbose=verbose)
+    try:
+        world.run()
+    except Exception as exc:  # a broken invariant, or an exception out of the daemon
+        what = str(exc) if isinstance(exc, SimFailure) else "".join(traceback.format_exception(exc))
+        report = "\n".join([
+            f"daemon_sim: seed {seed} failed at step {world.step_no} "
+            f"(t={(world.now - START_US) / 1000:.3f} ms, event {world.events}): {what}",
+            f"last {len(world.trace)} events:",
+            *("  " + line for line in world.trace),
+            "the GPUs then:",
+            *("  " + line for line in world.describe_gpus()),
+            f"reproduce: {command(seed, steps)}",
+        ])
+        return Outcome(seed, False, report, world.events, time.perf_counter() - began, world.stats)
+    return Outcome(seed, True, "", world.events, time.perf_counter() - began, world.stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sim.daemon_sim", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--seed", type=int, help="run this one seed")
+    which.add_argument("--seeds", type=int, default=100, help="run seeds 0..N-1 (default 100)")
+    parser.add_argument("--first", type=int, default=0, help="with --seeds: start at this seed")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"steps per seed (default {DEFAULT_STEPS})")
+    parser.add_argument("--verbose", action="store_true", help="print every event")
+    parser.add_argument("--stats", action="store_true", help="print what happened, summed over the seeds")
+    args = parser.parse_args(argv)
+    seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
+    began = time.perf_counter()
+    failed: list[Outcome] = []
+    events = 0
+    stats: Counter[str] = Counter()
+    for seed in seeds:
+        out = run_seed(seed, args.steps, verbose=args.verbose)
+        events += out.events
+        stats += out.stats
+        if not out.ok:
+            failed.append(out)
+            if len(failed) <= 3:
+                print(out.report, file=sys.stderr)
+                print(file=sys.stderr)
+    took = time.perf_counter() - began
+    if args.stats:
+        for name, count in sorted(stats.items()):
+            print(f"{count:>9}  {name}")
+    print(f"{len(seeds)} seed(s) x {args.steps} steps: {len(seeds) - len(failed)} passed, {len(failed)} failed; "
+          f"{events} events in {took:.1f} s")
+    if failed:
+        print("failing seeds: " + " ".join(str(o.seed) for o in failed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
