@@ -26,6 +26,7 @@ from gpud.config import Config
 from gpud.core.ledger import UNIT, Allocation
 from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
+from gpud.logging import LineWriter
 from gpud.metrics import Metrics
 from gpud.server import Daemon
 from gpud.state import Connection
@@ -223,3 +224,37 @@ def test_requests_during_shutdown_are_refused_as_shutting_down(node: Node) -> No
         [answer] = node.call(a, msg)
         assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.SHUTTING_DOWN, answer
     assert node.stored() == []
+
+
+# --- the log -------------------------------------------------------------------------
+
+
+class _Refusing:
+    """A stream whose writes fail until told otherwise (a full disk, a closed pipe)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.full = True
+
+    def fileno(self) -> int:
+        raise OSError("no descriptor")
+
+    def write(self, data: str) -> None:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        self.lines.append(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_log_line_that_cannot_be_written_is_dropped_counted_and_never_raised() -> None:
+    stream = _Refusing()
+    writer = LineWriter(stream, json=True)  # type: ignore[arg-type]
+    writer.msg('{"event":"one"}')
+    writer.msg('{"event":"two"}')
+    assert writer.dropped == 2 and stream.lines == []
+    stream.full = False
+    writer.msg('{"event":"three"}')
+    assert stream.lines == ['{"event":"log_lines_dropped","count":2,"level":"warning"}\n', '{"event":"three"}\n']
+    assert writer.dropped == 0

@@ -4,6 +4,7 @@ its shutdown, and a start that follows a crash."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import sqlite3
@@ -203,3 +204,56 @@ def test_a_start_after_a_crash_grants_nothing_during_the_grace(daemon: DaemonPro
     lease = conn.call(p.Acquire(id=conn.next_id(), gpu=1, task_type="ASR", max_wait_ms=0))
     assert isinstance(lease, p.LeaseResult) and lease.acquired  # the grace is over
     assert waited > 0.2, f"granted {waited:.3f} s after connecting: inside the 1 s grace"
+
+
+def test_a_full_disk_refuses_the_change_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The daemon may not grow its files (RLIMIT_FSIZE, set from outside on the running
+    process: the kernel's EFBIG, as a full disk's ENOSPC, reaches SQLite's write)."""
+    state = tmp_path / "state"
+    d = DaemonProcess("--simulate", "1x16GiB", "--state-dir", str(state), workdir=str(tmp_path)).start()
+    try:
+        conn = connect(d)
+        assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="before", gpus=0.25)), p.Allocated)
+        assert d.proc is not None
+        files = [state / "allocations.sqlite3", state / "allocations.sqlite3-wal", d.log_path]
+        limit = max(f.stat().st_size for f in files)  # no file may grow: not the store, not the log
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        with pytest.raises(ProtocolError) as err:
+            conn.call(p.Allocate(id=conn.next_id(), task_id="during", gpus=0.25))
+        assert err.value.code == p.ErrorCode.STORE_FAILED and "task 'during' was not allocated" in str(err.value)
+        print(err.value)
+        take_lock(conn, attach(conn, gpu=0))  # locks go on
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="after", gpus=0.25)), p.Allocated)
+        d.stop(sig=signal.SIGKILL)
+        d.start()
+        listing = connect(d).call(p.ListAllocations(id=1))
+        assert [a.task_id for a in listing.allocations] == ["before", "after"]
+    finally:
+        d.cleanup()
+
+
+def test_a_disk_too_full_for_the_log_too_never_stops_the_daemon(tmp_path: Path) -> None:
+    """The log file cannot grow either: log lines are dropped and counted, requests are
+    still answered on their connection (before, the failed log write closed it, and a
+    timer's would have ended the daemon)."""
+    state = tmp_path / "state"
+    d = DaemonProcess("--simulate", "1x16GiB", "--state-dir", str(state), workdir=str(tmp_path)).start()
+    try:
+        conn = connect(d)
+        assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="before", gpus=0.25)), p.Allocated)
+        assert d.proc is not None
+        limit = d.log_path.stat().st_size  # smaller than the store's files: nothing may grow
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        for task in ("during-1", "during-2"):
+            with pytest.raises(ProtocolError) as err:
+                conn.call(p.Allocate(id=conn.next_id(), task_id=task, gpus=0.25))
+            assert err.value.code == p.ErrorCode.STORE_FAILED
+        take_lock(conn, attach(conn, gpu=0))
+        assert isinstance(conn.call(p.Status(id=conn.next_id())), p.StatusReply)
+        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="after", gpus=0.25)), p.Allocated)
+        assert '"event":"log_lines_dropped"' in d.log()
+        assert d.proc.poll() is None
+    finally:
+        d.cleanup()
