@@ -549,7 +549,8 @@ class GpuScheduler:
     def _settle(self, now: int) -> list[Effect]:
         """Apply every rule that is due at ``now``, in order."""
         effects: list[Effect] = []
-        self._end_grace(now)
+        if self._grants_from is not None and now >= self._grants_from:
+            self._grants_from = None  # the restart grace is over
         self._acc.settle(now)
         self._revoke_unresponsive(now, effects)
         if self._enabled:
@@ -561,10 +562,6 @@ class GpuScheduler:
             self._admit(now, effects)  # a waiter that left may have blocked the others
         self._drop_expired(now, effects)
         return effects
-
-    def _end_grace(self, now: int) -> None:
-        if self._grants_from is not None and now >= self._grants_from:
-            self._grants_from = None
 
     def _watch_leases(self, now: int, effects: list[Effect]) -> None:
         for s in list(self._running.values()):

@@ -12,12 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
+from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 
 from .wire import attach, connect, take_lock
@@ -206,54 +209,57 @@ def test_a_start_after_a_crash_grants_nothing_during_the_grace(daemon: DaemonPro
     assert waited > 0.2, f"granted {waited:.3f} s after connecting: inside the 1 s grace"
 
 
-def test_a_full_disk_refuses_the_change_and_nothing_is_lost(tmp_path: Path) -> None:
-    """The daemon may not grow its files (RLIMIT_FSIZE, set from outside on the running
-    process: the kernel's EFBIG, as a full disk's ENOSPC, reaches SQLite's write)."""
+@contextmanager
+def files_capped(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Connection, Path]]:
+    """A daemon with one acknowledged allocation ("before"), whose files a test then keeps
+    from growing (``cap``: RLIMIT_FSIZE set from outside on the running process, so the
+    kernel refuses the write with EFBIG as a full disk would with ENOSPC)."""
     state = tmp_path / "state"
     d = DaemonProcess("--simulate", "1x16GiB", "--state-dir", str(state), workdir=str(tmp_path)).start()
     try:
         conn = connect(d)
         assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="before", gpus=0.25)), p.Allocated)
-        assert d.proc is not None
+        yield d, conn, state
+    finally:
+        d.cleanup()
+
+
+def cap(d: DaemonProcess, limit: int) -> None:
+    assert d.proc is not None
+    resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def refused_for_want_of_room(conn: Connection, task: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        conn.call(p.Allocate(id=conn.next_id(), task_id=task, gpus=0.25))
+    assert err.value.code == p.ErrorCode.STORE_FAILED and f"task {task!r} was not allocated" in str(err.value)
+
+
+def test_a_full_disk_refuses_the_change_and_nothing_is_lost(tmp_path: Path) -> None:
+    with files_capped(tmp_path) as (d, conn, state):
         files = [state / "allocations.sqlite3", state / "allocations.sqlite3-wal", d.log_path]
-        limit = max(f.stat().st_size for f in files)  # no file may grow: not the store, not the log
-        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-        with pytest.raises(ProtocolError) as err:
-            conn.call(p.Allocate(id=conn.next_id(), task_id="during", gpus=0.25))
-        assert err.value.code == p.ErrorCode.STORE_FAILED and "task 'during' was not allocated" in str(err.value)
-        print(err.value)
+        cap(d, max(f.stat().st_size for f in files))  # the store's files may not grow (the log has room)
+        refused_for_want_of_room(conn, "during")
         take_lock(conn, attach(conn, gpu=0))  # locks go on
-        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        cap(d, resource.RLIM_INFINITY)
         assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="after", gpus=0.25)), p.Allocated)
         d.stop(sig=signal.SIGKILL)
         d.start()
         listing = connect(d).call(p.ListAllocations(id=1))
         assert [a.task_id for a in listing.allocations] == ["before", "after"]
-    finally:
-        d.cleanup()
 
 
 def test_a_disk_too_full_for_the_log_too_never_stops_the_daemon(tmp_path: Path) -> None:
     """The log file cannot grow either: log lines are dropped and counted, requests are
     still answered on their connection (before, the failed log write closed it, and a
     timer's would have ended the daemon)."""
-    state = tmp_path / "state"
-    d = DaemonProcess("--simulate", "1x16GiB", "--state-dir", str(state), workdir=str(tmp_path)).start()
-    try:
-        conn = connect(d)
-        assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="before", gpus=0.25)), p.Allocated)
-        assert d.proc is not None
-        limit = d.log_path.stat().st_size  # smaller than the store's files: nothing may grow
-        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    with files_capped(tmp_path) as (d, conn, _):
+        cap(d, d.log_path.stat().st_size)  # smaller than the store's files: nothing may grow
         for task in ("during-1", "during-2"):
-            with pytest.raises(ProtocolError) as err:
-                conn.call(p.Allocate(id=conn.next_id(), task_id=task, gpus=0.25))
-            assert err.value.code == p.ErrorCode.STORE_FAILED
+            refused_for_want_of_room(conn, task)
         take_lock(conn, attach(conn, gpu=0))
         assert isinstance(conn.call(p.Status(id=conn.next_id())), p.StatusReply)
-        resource.prlimit(d.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        cap(d, resource.RLIM_INFINITY)
         assert isinstance(conn.call(p.Allocate(id=conn.next_id(), task_id="after", gpus=0.25)), p.Allocated)
         assert '"event":"log_lines_dropped"' in d.log()
-        assert d.proc.poll() is None
-    finally:
-        d.cleanup()
+        assert d.proc is not None and d.proc.poll() is None
