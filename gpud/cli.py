@@ -11,8 +11,8 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, get_args
 
 import msgspec
 
@@ -262,11 +262,14 @@ def cmd_allocs(args: argparse.Namespace) -> None:
 
 
 def _priority_arg(text: str) -> int | str:
-    if text.isdigit() and 0 <= int(text) <= 100:
-        return int(text)
     if text in {c.value for c in p.PriorityClass}:
         return text
-    raise argparse.ArgumentTypeError(f"priority must be 0..100 or production, high, normal, best-effort; got {text!r}")
+    try:
+        return int(_priority(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"priority must be {_bounds(p.Priority)} or production, high, normal, best-effort; got {text!r}"
+        ) from None
 
 
 def _gpu_count(text: str) -> float:
@@ -274,6 +277,31 @@ def _gpu_count(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of GPUs: {text!r}") from None
+
+
+def _bounds(limit: Any) -> str:
+    meta = get_args(limit)[1]
+    return f"{meta.ge}..{meta.le}"
+
+
+def _limited(limit: Any, parse: Callable[[str], float], noun: str, name: str) -> Callable[[str], Any]:
+    """An argparse type held to one of the protocol's limits, so gpuctl keeps no copy of them."""
+
+    def check(text: str) -> Any:
+        try:
+            return msgspec.convert(parse(text), limit)
+        except msgspec.ValidationError:
+            raise argparse.ArgumentTypeError(f"{name} must be {_bounds(limit)}, got {text}") from None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+
+    return check
+
+
+_priority = _limited(p.Priority, int, "a whole number", "priority")
+_core_percent = _limited(p.CoreLimit, int, "a whole percentage", "core limit")
+_max_wait = _limited(p.Millis, int, "a whole number of milliseconds", "milliseconds")
+_hold_max = _limited(p.HoldMaxMs, int, "a whole number of milliseconds", "milliseconds")
 
 
 def cmd_top(args: argparse.Namespace) -> None:
@@ -309,31 +337,11 @@ def cmd_limit(args: argparse.Namespace) -> None:
           client=client, sessions=reply.sessions, core_limit=args.core, mem_limit=args.mem)
 
 
-def _core_percent(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole percentage: {text!r}") from None
-    if not 1 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"core limit must be 1..100 percent, got {value}")
-    return value
-
-
 def _size_arg(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _millis(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number of milliseconds: {text!r}") from None
-    if not 0 <= value <= 86_400_000:
-        raise argparse.ArgumentTypeError(f"milliseconds must be 0..86400000, got {value}")
-    return value
 
 
 def _count(text: str) -> int:
@@ -384,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.set_defaults(func=cmd_mode)
     limit = sub.add_parser("limit", parents=[common], help="a client's compute/memory limits (admin for others)")
     limit.add_argument("client", help="client id or name (see gpuctl clients)")
-    limit.add_argument("--core", type=_core_percent, metavar="PERCENT", help="1..100 percent of GPU time")
+    limit.add_argument(
+        "--core", type=_core_percent, metavar="PERCENT", help=f"{_bounds(p.CoreLimit)} percent of GPU time"
+    )
     limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
     limit.add_argument("--gpu", help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
@@ -395,7 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--prefer", help="GPUs to try first, e.g. 2,3")
     alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
     alloc.add_argument("--tenant")
-    alloc.add_argument("--priority", type=_priority_arg, help="0..100 or production|high|normal|best-effort")
+    alloc.add_argument(
+        "--priority", type=_priority_arg, help=f"{_bounds(p.Priority)} or production|high|normal|best-effort"
+    )
     alloc.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for room")
     alloc.add_argument("--owner-pid", type=int, help="reclaim the allocation when this process dies")
     alloc.set_defaults(func=cmd_alloc)
@@ -408,23 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
     pol.add_argument("task_type", nargs="?", help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")
-    pol.add_argument("--priority", type=_core_percent_or_zero, metavar="0..100")
+    pol.add_argument("--priority", type=_priority, metavar=_bounds(p.Priority))
     pol.add_argument("--busy", choices=[b.value for b in p.BusyPolicy], help="busy policy")
-    pol.add_argument("--max-wait", type=_millis, metavar="MS")
+    pol.add_argument("--max-wait", type=_max_wait, metavar="MS")
     pol.add_argument("--queue-limit", type=_count, metavar="N")
-    pol.add_argument("--hold-max", type=_millis, metavar="MS")
+    pol.add_argument("--hold-max", type=_hold_max, metavar="MS")
     pol.set_defaults(func=cmd_policy)
     return ap
-
-
-def _core_percent_or_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"priority must be 0..100, got {value}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

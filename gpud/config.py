@@ -17,12 +17,25 @@ import msgspec
 from msgspec import Meta
 
 from gpud.core.leases import DEFAULT_HOLD_MAX_MS, DEFAULT_POLICIES, DEFAULT_QUEUE_LIMIT, LeasePolicy
-from gpud_client.protocol import DEFAULT_SOCKET, MAX_FRAME_BYTES, BusyPolicy, HoldMaxMs, Millis, Mode, Priority, QueueLimit
+from gpud_client.protocol import (
+    DEFAULT_SOCKET,
+    MAX_FRAME_BYTES,
+    BusyPolicy,
+    FrameBytes,
+    Gpus,
+    HoldMaxMs,
+    Millis,
+    Mode,
+    Priority,
+    QueueLimit,
+    Seconds,
+)
 
 DEFAULT_CONFIG_PATH = "/etc/gpud/gpud.toml"
 DEFAULT_METRICS_ADDR = "127.0.0.1:9402"
 LogLevel = Literal["debug", "info", "warning", "error"]
 Percent = Annotated[int, Meta(ge=0, le=100)]
+Cap = Annotated[int, Meta(ge=1, le=1_000_000)]  # how many connections, sessions or waiters
 
 
 class ConfigError(Exception):
@@ -38,8 +51,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    gpus: Annotated[float, Meta(ge=0, le=1024)]  # quota, in GPUs (fractions allowed)
-    borrow: Annotated[float, Meta(ge=0, le=1024)] = 0.0  # the most it may borrow of others' idle quota
+    gpus: Gpus  # quota, in GPUs (fractions allowed)
+    borrow: Gpus = 0.0  # the most it may borrow of others' idle quota
     uids: list[int] = []  # who may allocate as this tenant; none listed: anyone
     gids: list[int] = []
 
@@ -49,7 +62,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     socket_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o660
     # None: NVML, falling back to simulated GPUs; "2" or "2x80GiB": simulate.
     simulate: str | None = None
-    tq_s: Annotated[float, Meta(gt=0, le=86400)] = 30.0
+    tq_s: Seconds = 30.0  # the bounds of SET_TQ
     drop_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     mode: Mode = Mode.AUTO
     memory_reserve_percent: Annotated[int, Meta(ge=0, le=90)] = 10
@@ -77,13 +90,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     monitor_interval_s: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0  # NVML samples and gauges
     admin_group: str = "gpud-admin"  # members may change limits, modes, policies; "" for none
     metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
-    max_frame_bytes: Annotated[int, Meta(ge=1024, le=16 * 2**20)] = MAX_FRAME_BYTES
+    max_frame_bytes: FrameBytes = MAX_FRAME_BYTES  # told to clients in WELCOME
     # Caps on what clients can make the daemon hold (see the README's security model).
-    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024  # lowered to what RLIMIT_NOFILE allows
-    max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    max_connections: Cap = 1024  # lowered to what RLIMIT_NOFILE allows
+    max_connections_per_uid: Cap = 256
     hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600)] = 5.0  # a connection silent this long is closed
-    max_sessions_per_connection: Annotated[int, Meta(ge=1, le=1_000_000)] = 256  # sessions and leases
-    max_lock_queue: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024  # waiting LOCK_REQUESTs per GPU
+    max_sessions_per_connection: Cap = 256  # sessions and leases
+    max_lock_queue: Cap = 1024  # waiting LOCK_REQUESTs per GPU
     max_allocation_waiters: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
     # A connection's unsent answers and pushes: above the high-water mark the daemon stops
     # reading its requests; past the limit (a client that never reads) it is disconnected.

@@ -148,7 +148,10 @@ def hello(d: Daemon, conn: Connection, msg: p.Hello) -> p.Welcome:
         )
         for s in d.slots
     ]
-    return p.Welcome(id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus)
+    return p.Welcome(
+        id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus,
+        max_frame_bytes=d.config.max_frame_bytes,
+    )
 
 
 def attach(d: Daemon, conn: Connection, msg: p.Attach, now: int) -> p.Attached:

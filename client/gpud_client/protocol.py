@@ -28,7 +28,9 @@ from msgspec import Meta, Struct
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 SOCKET_ENV = "GPUD_SOCKET"
-MAX_FRAME_BYTES = 64 * 1024  # the most a client may send in one frame (the daemon's default)
+# The most payload bytes (after the 4-byte length) a client may send in one frame: the
+# daemon's default. A daemon configured otherwise says its own limit in WELCOME.
+MAX_FRAME_BYTES = 64 * 1024
 # The most a client accepts from the daemon in one frame: answers such as CLIENTS or STATUS on a
 # busy node are far larger than any request, so the two directions have different limits.
 MAX_REPLY_BYTES = 64 * 2**20
@@ -43,10 +45,14 @@ Priority = Annotated[int, Meta(ge=0, le=100)]
 _PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Name = Annotated[str, Meta(max_length=128, pattern=_PRINTABLE)]
 MAX_LABELS = 32
+Labels = Annotated[dict[Name, Name], Meta(max_length=MAX_LABELS)]
+MAX_GPUS = 1024  # the most GPUs one daemon serves: indexes, GPU lists and quantities are bounded by it
 # A GPU is named by its index, "gpu:N", or its UUID.
 GpuRef = Union[
-    Annotated[int, Meta(ge=0, le=1023)], Annotated[str, Meta(min_length=1, max_length=96, pattern=r"^[A-Za-z0-9:_.-]+$")]
+    Annotated[int, Meta(ge=0, le=MAX_GPUS - 1)],
+    Annotated[str, Meta(min_length=1, max_length=96, pattern=r"^[A-Za-z0-9:_.-]+$")],
 ]
+GpuRefs = Annotated[list[GpuRef], Meta(max_length=MAX_GPUS)]
 Seconds = Annotated[float, Meta(ge=0.001, le=86400)]  # a time quantum: 1 ms .. 1 day
 CoreLimit = Annotated[int, Meta(ge=1, le=100)]  # percent of GPU time; 100 = unlimited
 Bytes = Annotated[int, Meta(ge=0, le=2**62)]
@@ -56,7 +62,7 @@ QueueLimit = Annotated[int, Meta(ge=0, le=100_000)]
 # Linux's pid_max is at most 2**22: anything above cannot be a process, and would overflow kill(2).
 PID_MAX = 4_194_304
 Pid = Annotated[int, Meta(ge=1, le=PID_MAX)]
-Gpus = Annotated[float, Meta(ge=0, le=1024)]  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
+Gpus = Annotated[float, Meta(ge=0, le=MAX_GPUS)]  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
 CpuCount = Annotated[int, Meta(ge=0, le=100_000)]
 TaskId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
 TaskType = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -64,6 +70,10 @@ LeaseId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9
 ClientRef = Union[
     Annotated[int, Meta(ge=1, le=2**63 - 1)], Annotated[str, Meta(min_length=1, max_length=128, pattern=_PRINTABLE)]
 ]
+UtteranceIndex = Annotated[int, Meta(ge=0, le=2**53)]
+# The daemon's max_frame_bytes setting (config.py); WELCOME tells clients the value in force.
+FrameBytes = Annotated[int, Meta(ge=1024, le=16 * 2**20)]
+
 
 class ErrorCode(enum.StrEnum):
     """Why a request was refused. Stable strings: scripts match on them."""
@@ -160,20 +170,24 @@ PRIORITY_OF_CLASS = {
 
 
 class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
-    pass
+    """A request: the daemon refuses a field it does not know (a typo must not pass unseen)."""
+
+
+class _Reply(Struct, frozen=True, kw_only=True, tag_field="type"):
+    """An answer or a push: a client ignores fields a newer daemon added, so it keeps working."""
 
 
 # --- client -> daemon -------------------------------------------------------
 
 
-class Hello(_Msg, tag="HELLO", frozen=True):
+class Hello(_Msg, tag="HELLO", frozen=True, kw_only=True):
     id: RequestId
     version: int
     name: Name = ""
-    labels: Annotated[dict[Name, Name], Meta(max_length=MAX_LABELS)] = {}
+    labels: Labels = {}
 
 
-class Attach(_Msg, tag="ATTACH", frozen=True):
+class Attach(_Msg, tag="ATTACH", frozen=True, kw_only=True):
     """Open a session on one GPU; answered by ATTACHED."""
 
     id: RequestId
@@ -185,12 +199,12 @@ class Attach(_Msg, tag="ATTACH", frozen=True):
     task_id: TaskId | None = None  # a fractional allocation of this task sets the limits (unless lower)
 
 
-class Detach(_Msg, tag="DETACH", frozen=True):
+class Detach(_Msg, tag="DETACH", frozen=True, kw_only=True):
     id: RequestId
     session: SessionId
 
 
-class LockRequest(_Msg, tag="LOCK_REQUEST", frozen=True):
+class LockRequest(_Msg, tag="LOCK_REQUEST", frozen=True, kw_only=True):
     """Ask for the session's GPU lock. Answered only by an ERROR on refusal;
     the grant arrives later as a LOCK_OK push."""
 
@@ -198,7 +212,7 @@ class LockRequest(_Msg, tag="LOCK_REQUEST", frozen=True):
     session: SessionId
 
 
-class LockReleased(_Msg, tag="LOCK_RELEASED", frozen=True):
+class LockReleased(_Msg, tag="LOCK_RELEASED", frozen=True, kw_only=True):
     """Give the lock back. ``grant`` (optional) guards against releasing a
     later grant with a stale message. Answered only by an ERROR on refusal."""
 
@@ -207,7 +221,7 @@ class LockReleased(_Msg, tag="LOCK_RELEASED", frozen=True):
     grant: GrantNo | None = None
 
 
-class MemUpdate(_Msg, tag="MEM_UPDATE", frozen=True):
+class MemUpdate(_Msg, tag="MEM_UPDATE", frozen=True, kw_only=True):
     """The session's GPU memory use as the framework or NVML sees it.
     Answered only by an ERROR on refusal."""
 
@@ -216,7 +230,7 @@ class MemUpdate(_Msg, tag="MEM_UPDATE", frozen=True):
     used_bytes: Bytes
 
 
-class SetLimits(_Msg, tag="SET_LIMITS", frozen=True):
+class SetLimits(_Msg, tag="SET_LIMITS", frozen=True, kw_only=True):
     """Change core/memory limits of a client's sessions (all, or one GPU's, or
     one session). ``client`` None: the sender's own. Another client's needs
     admin rights. Answered by LIMITS_SET. A mem_limit of 0 lifts the limit."""
@@ -234,11 +248,11 @@ class Trace(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     job_id: Name | None = None
     session_id: Name | None = None
-    utterance_index: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+    utterance_index: UtteranceIndex | None = None
     stage: Name | None = None
 
 
-class Acquire(_Msg, tag="ACQUIRE", frozen=True):
+class Acquire(_Msg, tag="ACQUIRE", frozen=True, kw_only=True):
     """Ask for a lease (GpuArbiter). Fields left out come from the task type's
     policy. Answered by LEASE_RESULT once it is decided: at once, or when the
     GPU frees up, or at max_wait."""
@@ -255,7 +269,7 @@ class Acquire(_Msg, tag="ACQUIRE", frozen=True):
     trace: Trace = Trace()
 
 
-class Release(_Msg, tag="RELEASE", frozen=True):
+class Release(_Msg, tag="RELEASE", frozen=True, kw_only=True):
     """Give a lease back. Idempotent: a lease already gone answers OK.
     ``quiet``: no OK on success (a refusal is still answered), for clients
     that do not wait for it."""
@@ -265,7 +279,7 @@ class Release(_Msg, tag="RELEASE", frozen=True):
     quiet: bool = False
 
 
-class ReportOom(_Msg, tag="REPORT_OOM", frozen=True):
+class ReportOom(_Msg, tag="REPORT_OOM", frozen=True, kw_only=True):
     """The client ran out of GPU memory (counted per GPU and task type)."""
 
     id: RequestId
@@ -273,11 +287,11 @@ class ReportOom(_Msg, tag="REPORT_OOM", frozen=True):
     task_type: TaskType = "OTHER"
 
 
-class ListLeases(_Msg, tag="LEASES", frozen=True):
+class ListLeases(_Msg, tag="LEASES", frozen=True, kw_only=True):
     id: RequestId
 
 
-class SetPolicy(_Msg, tag="SET_POLICY", frozen=True):
+class SetPolicy(_Msg, tag="SET_POLICY", frozen=True, kw_only=True):
     """Change (or create) a task type's lease policy; unset fields are kept."""
 
     id: RequestId
@@ -289,11 +303,11 @@ class SetPolicy(_Msg, tag="SET_POLICY", frozen=True):
     hold_max_ms: HoldMaxMs | None = None
 
 
-class ListPolicies(_Msg, tag="POLICIES", frozen=True):
+class ListPolicies(_Msg, tag="POLICIES", frozen=True, kw_only=True):
     id: RequestId
 
 
-class Allocate(_Msg, tag="ALLOCATE", frozen=True):
+class Allocate(_Msg, tag="ALLOCATE", frozen=True, kw_only=True):
     """Assign GPUs (whole, or a fraction of one) and CPU cores to a task id.
     Answered by ALLOCATED, or by ERROR insufficient (at once, or after
     wait_ms in the priority queue). The same task id again: the same answer."""
@@ -302,7 +316,7 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True):
     task_id: TaskId
     gpus: Gpus = 1.0
     cpus: CpuCount = 0
-    prefer: Annotated[list[GpuRef], Meta(max_length=1024)] = []
+    prefer: GpuRefs = []
     strategy: Strategy = Strategy.FIRST_FIT
     tenant: Name | None = None
     priority: Priority | None = None
@@ -311,50 +325,50 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True):
     owner_pid: Pid | None = None  # reclaimed when this process dies
 
 
-class Free(_Msg, tag="FREE", frozen=True):
+class Free(_Msg, tag="FREE", frozen=True, kw_only=True):
     """Release a task's allocation (or withdraw its wait)."""
 
     id: RequestId
     task_id: TaskId
 
 
-class ListAllocations(_Msg, tag="ALLOCS", frozen=True):
+class ListAllocations(_Msg, tag="ALLOCS", frozen=True, kw_only=True):
     id: RequestId
 
 
-class ResetAllocations(_Msg, tag="RESET_ALLOCS", frozen=True):
+class ResetAllocations(_Msg, tag="RESET_ALLOCS", frozen=True, kw_only=True):
     """Admin: release every allocation."""
 
     id: RequestId
 
 
-class SetMode(_Msg, tag="SET_MODE", frozen=True):
+class SetMode(_Msg, tag="SET_MODE", frozen=True, kw_only=True):
     id: RequestId
     mode: Mode
     gpu: GpuRef | None = None
 
 
-class SchedOn(_Msg, tag="SCHED_ON", frozen=True):
+class SchedOn(_Msg, tag="SCHED_ON", frozen=True, kw_only=True):
     id: RequestId
     gpu: GpuRef | None = None  # None: every GPU
 
 
-class SchedOff(_Msg, tag="SCHED_OFF", frozen=True):
+class SchedOff(_Msg, tag="SCHED_OFF", frozen=True, kw_only=True):
     id: RequestId
     gpu: GpuRef | None = None
 
 
-class SetTq(_Msg, tag="SET_TQ", frozen=True):
+class SetTq(_Msg, tag="SET_TQ", frozen=True, kw_only=True):
     id: RequestId
     seconds: Seconds
     gpu: GpuRef | None = None
 
 
-class Status(_Msg, tag="STATUS", frozen=True):
+class Status(_Msg, tag="STATUS", frozen=True, kw_only=True):
     id: RequestId
 
 
-class ListClients(_Msg, tag="CLIENTS", frozen=True):
+class ListClients(_Msg, tag="CLIENTS", frozen=True, kw_only=True):
     id: RequestId
 
 
@@ -397,14 +411,18 @@ class GpuInfo(Struct, frozen=True, kw_only=True):
     scheduler_on: bool
 
 
-class Welcome(_Msg, tag="WELCOME", frozen=True):
+class Welcome(_Reply, tag="WELCOME", frozen=True, kw_only=True):
     id: RequestId
     client_id: int
     version: int
     gpus: list[GpuInfo]
+    # The most bytes one request frame's payload may have on this daemon: the length in the
+    # 4-byte header, which does not count itself. len(payload) <= max_frame_bytes is accepted;
+    # one byte more and the daemon answers frame_too_large and closes the connection.
+    max_frame_bytes: int = MAX_FRAME_BYTES
 
 
-class Attached(_Msg, tag="ATTACHED", frozen=True):
+class Attached(_Reply, tag="ATTACHED", frozen=True, kw_only=True):
     id: RequestId
     session: SessionId
     gpu: int
@@ -414,7 +432,7 @@ class Attached(_Msg, tag="ATTACHED", frozen=True):
     memory_total_bytes: int
 
 
-class LeaseResult(_Msg, tag="LEASE_RESULT", frozen=True):
+class LeaseResult(_Reply, tag="LEASE_RESULT", frozen=True, kw_only=True):
     """The answer to ACQUIRE: ACQUIRED with a lease id, or SKIPPED /
     FALLBACK_CPU with the reason."""
 
@@ -432,7 +450,7 @@ class LeaseResult(_Msg, tag="LEASE_RESULT", frozen=True):
         return self.status == LeaseStatus.ACQUIRED
 
 
-class LeaseRevoked(_Msg, tag="LEASE_REVOKED", frozen=True):
+class LeaseRevoked(_Reply, tag="LEASE_REVOKED", frozen=True, kw_only=True):
     """Push: the daemon released a lease by force (hold_max with forced release on)."""
 
     lease_id: str
@@ -456,7 +474,7 @@ class LeaseInfo(Struct, frozen=True, kw_only=True):
     trace: Trace
 
 
-class LeasesReply(_Msg, tag="LEASES_REPLY", frozen=True):
+class LeasesReply(_Reply, tag="LEASES_REPLY", frozen=True, kw_only=True):
     id: RequestId
     leases: list[LeaseInfo]
 
@@ -469,12 +487,12 @@ class PolicyInfo(Struct, frozen=True, kw_only=True):
     hold_max_ms: int
 
 
-class PoliciesReply(_Msg, tag="POLICIES_REPLY", frozen=True):
+class PoliciesReply(_Reply, tag="POLICIES_REPLY", frozen=True, kw_only=True):
     id: RequestId
     policies: dict[str, PolicyInfo]
 
 
-class Allocated(_Msg, tag="ALLOCATED", frozen=True):
+class Allocated(_Reply, tag="ALLOCATED", frozen=True, kw_only=True):
     id: RequestId
     task_id: str
     gpus: list[int]
@@ -502,7 +520,7 @@ class TenantSummary(Struct, frozen=True, kw_only=True):
     used: float
 
 
-class AllocationsReply(_Msg, tag="ALLOCS_REPLY", frozen=True):
+class AllocationsReply(_Reply, tag="ALLOCS_REPLY", frozen=True, kw_only=True):
     id: RequestId
     allocations: list[Allocated]
     waiting: list[str]
@@ -512,12 +530,12 @@ class AllocationsReply(_Msg, tag="ALLOCS_REPLY", frozen=True):
     tenants: dict[str, TenantSummary]
 
 
-class LimitsSet(_Msg, tag="LIMITS_SET", frozen=True):
+class LimitsSet(_Reply, tag="LIMITS_SET", frozen=True, kw_only=True):
     id: RequestId
     sessions: list[int]
 
 
-class LimitsChanged(_Msg, tag="LIMITS_CHANGED", frozen=True):
+class LimitsChanged(_Reply, tag="LIMITS_CHANGED", frozen=True, kw_only=True):
     """Push: the session's limits are now these."""
 
     session: SessionId
@@ -525,7 +543,7 @@ class LimitsChanged(_Msg, tag="LIMITS_CHANGED", frozen=True):
     mem_limit: int | None
 
 
-class MemLimitExceeded(_Msg, tag="MEM_LIMIT_EXCEEDED", frozen=True):
+class MemLimitExceeded(_Reply, tag="MEM_LIMIT_EXCEEDED", frozen=True, kw_only=True):
     """Push: reported use went above the session's memory limit."""
 
     session: SessionId
@@ -533,41 +551,41 @@ class MemLimitExceeded(_Msg, tag="MEM_LIMIT_EXCEEDED", frozen=True):
     limit_bytes: int
 
 
-class Ok(_Msg, tag="OK", frozen=True):
+class Ok(_Reply, tag="OK", frozen=True, kw_only=True):
     id: RequestId
 
 
-class Error(_Msg, tag="ERROR", frozen=True):
+class Error(_Reply, tag="ERROR", frozen=True, kw_only=True):
     id: RequestId | None
     code: ErrorCode
     message: str
 
 
-class LockOk(_Msg, tag="LOCK_OK", frozen=True):
+class LockOk(_Reply, tag="LOCK_OK", frozen=True, kw_only=True):
     session: SessionId
     grant: GrantNo
 
 
-class DropLock(_Msg, tag="DROP_LOCK", frozen=True):
+class DropLock(_Reply, tag="DROP_LOCK", frozen=True, kw_only=True):
     session: SessionId
     grant: GrantNo
     reason: DropReason
 
 
-class Revoked(_Msg, tag="REVOKED", frozen=True):
+class Revoked(_Reply, tag="REVOKED", frozen=True, kw_only=True):
     session: SessionId
     grant: GrantNo
     reason: RevokeReason
 
 
-class Goodbye(_Msg, tag="GOODBYE", frozen=True):
+class Goodbye(_Reply, tag="GOODBYE", frozen=True, kw_only=True):
     """Push: the daemon is shutting down; the connection closes next.
     Clients reconnect when it is back (their locks and leases are gone)."""
 
     reason: str
 
 
-class SchedState(_Msg, tag="SCHED_STATE", frozen=True):
+class SchedState(_Reply, tag="SCHED_STATE", frozen=True, kw_only=True):
     gpu: int
     on: bool
 
@@ -614,7 +632,7 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     revocations: int
 
 
-class StatusReply(_Msg, tag="STATUS_REPLY", frozen=True):
+class StatusReply(_Reply, tag="STATUS_REPLY", frozen=True, kw_only=True):
     id: RequestId
     version: str
     uptime_s: float
@@ -657,7 +675,7 @@ class ClientInfo(Struct, frozen=True, kw_only=True):
     sessions: list[SessionInfo]
 
 
-class ClientsReply(_Msg, tag="CLIENTS_REPLY", frozen=True):
+class ClientsReply(_Reply, tag="CLIENTS_REPLY", frozen=True, kw_only=True):
     id: RequestId
     clients: list[ClientInfo]
 
