@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.spawn import DaemonProcess
-from gpud_client import Client, DropReason, GpudError, Session
+from gpud_client import Client, DropReason, GpudError, LockLost, Session
 from gpud_client import protocol as p
 
 GPU = 0
@@ -69,13 +69,17 @@ class _Work:
     slices: int = 0
     asked: int = 0  # give-backs a DROP_LOCK asked for
     unasked: int = 0  # give-backs nobody asked for (idle_release)
+    lost: int = 0  # slices that ended with LockLost
 
     def run_slices(self, kernel_s: float, *, gap_s: float = 0.0, count: int | None = None) -> None:
         """Slices of ``kernel_s`` of GPU work, ``gap_s`` apart, until stopped or ``count`` done."""
         done = 0
         while not self.stop.is_set() and (count is None or done < count):
-            with self.session.slice():
-                self.stop.wait(kernel_s)
+            try:
+                with self.session.slice():
+                    self.stop.wait(kernel_s)
+            except LockLost:  # revoked mid-slice: the rest of it ran unarbitrated, and we are told
+                self.lost += 1
             done += 1
             self.slices += 1
             if gap_s:
@@ -153,7 +157,7 @@ def run_worker(kind: str, socket: str, seconds: float) -> int:
             work.session.close()
     s = work.session
     counts = {"slices": work.slices, "grants": s.grants, "drops": s.drops, "revocations": s.revocations}
-    print(json.dumps({"kind": kind, **counts, "asked": work.asked, "unasked": work.unasked}), flush=True)
+    print(json.dumps({"kind": kind, **counts, "asked": work.asked, "unasked": work.unasked, "lost": work.lost}), flush=True)
     return 0
 
 
@@ -328,6 +332,8 @@ def _story(last: dict[str, p.SessionInfo], reports: dict[str, dict[str, Any] | N
         "quantum, and they gave the lock back at their next slice boundary.",
         f"The stubborn client ignored its drops inside 4 s slices and was revoked {_times(stubborn.revocations)}, "
         f"{DROP_TIMEOUT_S:g} s after a drop, so it held the GPU {TQ_S + DROP_TIMEOUT_S:g} s per turn and no more. "
+        f"Its slice ended in LockLost {_times(_mine(reports.get('stubborn'), 'lost'))}, telling it the rest of the "
+        "slice had run unarbitrated. "
         f"The notebook gave the lock back unasked {_times(_mine(reports.get('notebook'), 'unasked'))}, "
         f"{NOTEBOOK_IDLE_RELEASE_S:g} s after a burst, instead of holding it while it thought.",
         f"Shares add up to {total:.1f} %: the rest is hand-overs and moments with no holder.",

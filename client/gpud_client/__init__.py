@@ -9,6 +9,7 @@ from gpud_client.connection import Connection
 from gpud_client.errors import (
     DaemonUnavailable,
     GpudError,
+    LockLost,
     MemoryLimitExceeded,
     PermissionDenied,
     ProtocolError,
@@ -26,6 +27,7 @@ __all__ = [
     "DropReason",
     "ErrorCode",
     "GpudError",
+    "LockLost",
     "MemoryLimitExceeded",
     "Mode",
     "PermissionDenied",

@@ -129,11 +129,15 @@ class Connection:
         )
         return welcome
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End the stream both ways (a reader blocked on it wakes) without freeing the socket."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.shutdown()
         self.sock.close()
 
     def __enter__(self) -> Connection:

@@ -33,6 +33,20 @@ def error_from(code: ErrorCode | str, message: str) -> ProtocolError:
     return ProtocolError(code, message)
 
 
+class LockLost(GpudError):
+    """The session held the GPU lock and lost it while the application still used it: the
+    connection to gpud died, or gpud revoked the lock (a DROP_LOCK ignored too long).
+
+    The work since then ran without arbitration. ``on_lost`` is called at once; this is raised
+    at the end of the running slice, or by ``release()`` after ``acquire()``."""
+
+    def __init__(self, session: int, gpu: int, why: str) -> None:
+        super().__init__(f"session {session} lost the GPU lock on GPU {gpu}: {why}; the work since then ran unarbitrated")
+        self.session = session
+        self.gpu = gpu
+        self.why = why
+
+
 class MemoryLimitExceeded(GpudError):
     """The session's reported GPU memory went above its limit.
 

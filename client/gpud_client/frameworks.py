@@ -7,9 +7,12 @@ pay for it). ``torch`` may be passed in, so tests can use a stand-in.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("gpud_client")
 
 
 def loaded_torch_with_cuda() -> Any | None:
@@ -45,3 +48,25 @@ def torch_memory_probe(device: int | None = None, torch: Any = None) -> Callable
         return None
     dev = torch.cuda.current_device() if device is None else device
     return lambda: int(torch.cuda.memory_reserved(dev))
+
+
+def default_memory_probe(framework_hooks: bool) -> Callable[[], int] | None:
+    """PyTorch's reserved memory when the application uses torch with CUDA and hooks are on."""
+    return torch_memory_probe() if framework_hooks else None
+
+
+def read_memory(probe: Callable[[], int]) -> int | None:
+    """The probe's reading at a slice's end; a failing probe is logged, never raised into the slice."""
+    try:
+        return int(probe())
+    except Exception:
+        log.exception("memory probe failed")
+        return None
+
+
+def cap_memory(limit_bytes: int | None) -> None:
+    """Apply a session's new memory limit to PyTorch's allocator; a failure is logged."""
+    try:
+        apply_torch_memory_limit(limit_bytes)
+    except Exception:
+        log.exception("could not apply the memory limit to PyTorch")

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Literal, TextIO
 
-from gpud_client import Client, DaemonUnavailable, ErrorCode, GpudError, ProtocolError
+from gpud_client import Client, DaemonUnavailable, ErrorCode, GpudError, LockLost, ProtocolError
 from gpud_client.client import Session
 
 HOLD_S = (0.002, 0.04)  # lock holds; some outlast the test's 50 ms TQ, so DROP_LOCKs come while held
@@ -116,7 +116,10 @@ class Worker:
                     t1, end = now, "released"
                     break
                 time.sleep(POLL_S)
-            session.release()  # after a loss only ends the open slice
+            try:
+                session.release()
+            except LockLost:  # the loss the poll saw: release() says so and ends the open slice
+                end = "lost"
             self.record(f"lock {gpu} {t0:.6f} {t1:.6f} {end}")
             self.stop.wait(rng.uniform(0, 0.02))
 

@@ -1,4 +1,5 @@
-"""The asyncio client library against a real daemon.
+"""The asyncio client against a real daemon: what only the asyncio driver has (cancellation, tasks;
+the behaviours both clients share are in test_client_behaviour.py).
 
 pytest runs in trio mode here, so each test is a plain function that runs its
 coroutine with ``asyncio.run``. Blocking raw-protocol helpers that wait on
@@ -8,6 +9,8 @@ so the event loop keeps going meanwhile.
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import contextlib
 import logging
@@ -16,7 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from gpud.spawn import DaemonProcess
-from gpud_client import DaemonUnavailable, DropReason, ErrorCode, GpudError, MemoryLimitExceeded, ProtocolError
+from gpud_client import DaemonUnavailable, DropReason, ErrorCode, GpudError, ProtocolError
 from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient, AsyncSession
 
@@ -47,62 +50,6 @@ async def one_slice(s: AsyncSession) -> bool:
 async def my_session_info(c: AsyncClient) -> p.SessionInfo:
     mine = [ci for ci in (await c.clients()).clients if ci.client_id == c.client_id]
     return mine[0].sessions[0]
-
-
-def test_the_lock_is_kept_between_slices(daemon: DaemonProcess) -> None:
-    async def main() -> None:
-        async with await AsyncClient.connect(daemon.socket, name="loop") as c:
-            s = await c.session(0, idle_release=None)
-            for _ in range(20):
-                async with s.slice():
-                    assert s.holding
-            assert s.holding and s.grants == 1
-            assert holders(daemon) == ["loop"] and (await c.status()).gpus[0].grants == 1
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("kind", ["plain", "coroutine"])
-def test_a_pending_drop_releases_at_slice_exit_with_on_drop_and_synchronize(
-    daemon_factory: Callable[..., DaemonProcess], kind: str
-) -> None:
-    d = daemon_factory("--simulate", "1", "--tq", "0.1")
-    events: list[str] = []
-    holders_at_sync: list[list[str]] = []
-
-    def on_drop_plain(reason: DropReason) -> None:
-        events.append(f"drop:{reason}")
-
-    def sync_plain() -> None:
-        holders_at_sync.append(holders(d))
-        events.append("sync")
-
-    async def on_drop_coroutine(reason: DropReason) -> None:
-        await asyncio.sleep(0)
-        events.append(f"drop:{reason}")
-
-    async def sync_coroutine() -> None:
-        await asyncio.sleep(0.05)
-        sync_plain()
-
-    async def main() -> None:
-        async with await AsyncClient.connect(d.socket, name="trainer") as c:
-            s = await c.session(
-                0, idle_release=None,
-                on_drop=on_drop_plain if kind == "plain" else on_drop_coroutine,
-                synchronize=sync_plain if kind == "plain" else sync_coroutine,
-            )
-            with connect(d, "other") as other:
-                so = attach(other)
-                async with s.slice():
-                    request(other, so)
-                    await wait_for(lambda: events == ["drop:tq"])  # told at once, while the slice still runs
-                    assert s.drop_pending == DropReason.TQ and holders(d) == ["trainer"]
-                assert events == ["drop:tq", "sync"] and not s.holding and s.drops == 1
-                assert holders_at_sync == [["trainer"]]  # synchronize ran before LOCK_RELEASED
-                assert (await asyncio.to_thread(expect, other, p.LockOk)).session == so
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize("hooks", ["none", "coroutine on_drop releasing itself"])
@@ -143,51 +90,6 @@ def test_a_drop_between_slices_is_answered_at_once(
     caplog.set_level(logging.WARNING, logger="gpud_client")
     asyncio.run(main())
     assert not [r for r in caplog.records if "not_holder" in r.getMessage()]
-
-
-def test_an_unused_lock_is_released_after_idle_release(daemon: DaemonProcess) -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        async with await AsyncClient.connect(daemon.socket) as c:
-            s = await c.session(0, idle_release=0.2)
-            for _ in range(4):  # slices closer together than idle_release keep it
-                async with s.slice():
-                    pass
-                await asyncio.sleep(0.08)
-            assert s.holding and s.grants == 1
-            t0 = loop.time()
-            await wait_for(lambda: not s.holding)
-            assert loop.time() - t0 >= 0.1  # 0.2 s after the last slice, 0.08 s before t0
-            await wait_for(lambda: holders(daemon) == [])
-
-    asyncio.run(main())
-
-
-def test_memory_above_the_limit_raises_at_the_next_slice(daemon: DaemonProcess) -> None:
-    use = [0]
-
-    async def main() -> None:
-        async with await AsyncClient.connect(daemon.socket, name="greedy") as c:
-            s = await c.session(0, mem_estimate="1GiB", mem_limit="2GiB", framework_hooks=False)
-            async with s.slice():
-                await s.report_memory(3 * 2**30)
-            await wait_for(lambda: s.mem_error is not None)
-            with pytest.raises(MemoryLimitExceeded, match="above its limit of 2147483648 bytes") as err:
-                async with s.slice():
-                    pass
-            assert err.value.used_bytes == 3 * 2**30
-            async with s.slice():  # raised once; the next slice runs
-                pass
-            info = await my_session_info(c)
-            assert (info.mem_used_bytes, info.mem_violations) == (3 * 2**30, 1)
-            await s.close()
-            probed = await c.session(1, memory_probe=lambda: use[0])
-            use[0] = 5 * 2**30
-            async with probed.slice():
-                pass
-            await wait_for(lambda: probed.mem_reported == 5 * 2**30)
-
-    asyncio.run(main())
 
 
 def test_limits_and_admin_calls(daemon: DaemonProcess) -> None:
@@ -275,31 +177,6 @@ def test_reconnect_and_reattach_after_a_daemon_restart(daemon: DaemonProcess) ->
     asyncio.run(main())
 
 
-def test_while_the_daemon_is_away_a_slice_raises_or_proceeds_as_configured(daemon: DaemonProcess) -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        strict = await AsyncClient.connect(daemon.socket, unavailable_timeout=0.3)
-        lax = await AsyncClient.connect(daemon.socket, unavailable_timeout=0.1, proceed_unarbitrated=True)
-        try:
-            s, t = await strict.session(0), await lax.session(1)
-            await asyncio.to_thread(daemon.stop)
-            await wait_for(lambda: strict._wire is None and lax._wire is None)
-            t0 = loop.time()
-            with pytest.raises(DaemonUnavailable, match="unreachable for 0.3 s"):
-                async with s.slice():
-                    pass
-            assert loop.time() - t0 >= 0.25 and not s.in_slice
-            ran = False
-            async with t.slice():
-                ran = True
-            assert ran and not t.holding
-        finally:
-            await strict.close()
-            await lax.close()
-
-    asyncio.run(main())
-
-
 def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
     daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -337,18 +214,19 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
                 take_lock(other, so)
                 task = asyncio.create_task(one_slice(s))
                 await wait_for(lambda: s.state == "waiting")
-                dispatch = c._dispatch
+                receive = c._core.receive
 
-                def cancel_on_grant(msg: object) -> None:
-                    dispatch(msg)
+                def cancel_on_grant(msg: Any, now: float) -> Any:
+                    actions = receive(msg, now)
                     if isinstance(msg, p.LockOk):
                         task.cancel()
+                    return actions
 
-                c._dispatch = cancel_on_grant  # type: ignore[method-assign]
+                c._core.receive = cancel_on_grant  # type: ignore[method-assign]
                 other.send(p.LockReleased(id=other.next_id(), session=so))
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                c._dispatch = dispatch  # type: ignore[method-assign]
+                c._core.receive = receive  # type: ignore[method-assign]
                 assert s.grants == 3 and s.state == "idle"
                 await wait_for(lambda: holders(daemon) == [])
                 # 4. Cancelled in synchronize: the lock is given back all the same.
@@ -399,20 +277,6 @@ def test_two_sessions_in_one_process_on_different_gpus(daemon: DaemonProcess) ->
                     pass
             await wait_for(lambda: holders(daemon, 0) == [])
             assert holders(daemon, 1) == ["two"]
-
-    asyncio.run(main())
-
-
-def test_acquire_keeps_the_lock_until_release(daemon: DaemonProcess) -> None:
-    async def main() -> None:
-        async with await AsyncClient.connect(daemon.socket, name="pinned") as c:
-            s = await c.session(0, idle_release=0.05)
-            await s.acquire()
-            await asyncio.sleep(0.2)  # well past idle_release
-            assert s.holding and holders(daemon) == ["pinned"]
-            await s.release()
-            assert not s.holding
-            await wait_for(lambda: holders(daemon) == [])
 
     asyncio.run(main())
 

@@ -1,133 +1,19 @@
-"""What the sync and the asyncio client build and apply alike, written once.
-
-The fields a session has in either client, and pure helpers: request messages
-from the clients' keyword arguments, and what the daemon's answers and pushes
-do to a session's fields (limits with the PyTorch hook, binding, grants,
-revocations). No I/O.
-"""
+"""Request messages from the clients' keyword arguments, built alike for both clients. No I/O."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from gpud_client import protocol as p
-from gpud_client.errors import GpudError, MemoryLimitExceeded
-from gpud_client.frameworks import apply_torch_memory_limit, torch_memory_probe
 from gpud_client.units import parse_bytes
 
-log = logging.getLogger("gpud_client")
 NO_MAX_WAIT_MS = 86_400_000  # an acquire without max_wait: the policy's answers within a day at most
-MEM_REPORT_STEP = 16 * 2**20  # report memory when it moved at least this much
-State = Literal["idle", "waiting", "holding", "releasing"]
-
-
-class SessionFields:
-    """What a session of either client knows of itself; the rules below change it."""
-
-    def __init__(
-        self,
-        gpu: int | str,
-        *,
-        priority: int,
-        idle_release: float | None,
-        core_limit: int,
-        mem_limit: int | None,
-        mem_estimate: int | None,
-        memory_probe: Callable[[], int] | None,
-        framework_hooks: bool,
-    ) -> None:
-        self.gpu_ref = gpu
-        self.priority = priority
-        self.core_limit = core_limit
-        self.mem_limit = mem_limit
-        self.mem_estimate = mem_estimate
-        self.framework_hooks = framework_hooks
-        self.memory_probe = memory_probe or (torch_memory_probe() if framework_hooks else None)
-        self.mem_reported: int | None = None
-        self.mem_error: MemoryLimitExceeded | None = None
-        self.memory_total_bytes = 0
-        self.idle_release = idle_release
-        self.id = 0  # the daemon's session id; changes on re-attach
-        self.gpu = -1
-        self.state: State = "idle"
-        self.grant = 0
-        self.drop_pending: p.DropReason | None = None
-        self.in_slice = False
-        self.request_id = 0
-        self.last_used = 0.0  # on the client's clock
-        self.error: GpudError | None = None
-        self.closed = False
-        # counters an application can read
-        self.grants = 0
-        self.drops = 0
-        self.revocations = 0
-
-    @property
-    def holding(self) -> bool:
-        return self.state == "holding"
 
 
 def size(value: int | str | None) -> int | None:
     return parse_bytes(value) if isinstance(value, str) else value
-
-
-def attach_msg(s: SessionFields) -> p.Attach:
-    return p.Attach(
-        id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
-        mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
-    )
-
-
-def memory_to_report(s: SessionFields) -> int | None:
-    """At a slice's end: the session's memory use if it moved enough since the last report, else None."""
-    if s.memory_probe is None:
-        return None
-    try:
-        used = s.memory_probe()
-    except Exception:
-        log.exception("memory probe failed")
-        return None
-    if s.mem_reported is not None and abs(used - s.mem_reported) < MEM_REPORT_STEP:
-        return None
-    return used
-
-
-def bind(s: SessionFields, reply: p.Attached) -> None:
-    """The daemon attached (or re-attached) the session: its id, GPU and limits; no lock held."""
-    s.id, s.gpu, s.memory_total_bytes = reply.session, reply.gpu, reply.memory_total_bytes
-    s.mem_reported = None
-    apply_limits(s, reply.core_limit, reply.mem_limit)
-    s.state, s.drop_pending = "idle", None
-
-
-def granted(s: SessionFields, grant: int, now: float) -> None:
-    """LOCK_OK: the session holds the lock under ``grant``."""
-    s.state, s.grant, s.drop_pending = "holding", grant, None
-    s.grants += 1
-    s.last_used = now
-
-
-def revoked(s: SessionFields, grant: int, reason: p.RevokeReason) -> None:
-    """REVOKED: the lock of ``grant`` is gone (a stale grant's revocation changes nothing)."""
-    if s.grant == grant and s.state in ("holding", "releasing"):
-        s.state, s.drop_pending = "idle", None
-        s.revocations += 1
-        log.warning("gpud revoked the GPU lock of session %d (%s)", s.id, reason)
-
-
-def apply_limits(s: SessionFields, core_limit: int, mem_limit: int | None) -> None:
-    """Record the session's limits; cap PyTorch's allocator when it is in use."""
-    changed = mem_limit != s.mem_limit
-    s.core_limit, s.mem_limit = core_limit, mem_limit
-    if s.framework_hooks and (mem_limit is not None or changed):
-        try:
-            apply_torch_memory_limit(mem_limit)
-        except Exception:
-            log.exception("could not apply the memory limit to PyTorch")
 
 
 def acquire_msg(

@@ -1,0 +1,283 @@
+"""The sync client's machinery: a driver of the client core with a reader thread.
+
+Threads: the reader decodes what arrives and hands it to the core under the
+client's lock; the idle thread gives back locks unused for ``idle_release``.
+User hooks (``on_drop``, ``synchronize``, ``on_lost``) never run on the reader
+nor under the lock: a slice's own end runs them in its thread, a push's run in
+a thread of their own, so a slow hook delays no push and a hook may call the
+client. A write that fails shuts the socket; the reader then sees the end and
+tells the core. Nothing here decides anything: ``gpud_client.core`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from gpud_client import protocol as p
+from gpud_client._base import ClientBase
+from gpud_client.connection import Connection
+from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
+from gpud_client.core.actions import (
+    Action, ApplyMemoryLimit, ArmIdle, CallOnDrop, CallOnLost, GiveBack, Hook, Log, Resolve, Send, Wake,
+)
+from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.frameworks import cap_memory, read_memory
+
+log = logging.getLogger("gpud_client")
+
+
+class SyncDriver(ClientBase):
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str,
+        labels: dict[str, str] | None,
+        reconnect: bool,
+        unavailable_timeout: float,
+        proceed_unarbitrated: bool,
+        request_timeout: float,
+    ) -> None:
+        super().__init__(
+            path, name=name, labels=labels, reconnect=reconnect, unavailable_timeout=unavailable_timeout,
+            proceed_unarbitrated=proceed_unarbitrated, request_timeout=request_timeout,
+        )
+        # One lock for the core. The slice paths take it bare (a C-level context manager, no Python
+        # frames: that time is billed while the lock is kept between slices).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # slices waiting for a lock
+        self._idle_cond = threading.Condition(self._lock)  # the idle thread, woken only for it
+        self._send_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._conn: Connection | None = None
+        self._open()
+        self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
+        self._reader.start()
+        self._idle = threading.Thread(target=self._idle_loop, name="gpud-client-idle", daemon=True)
+        self._idle.start()
+
+    def _request(self, start: Callable[[threading.Event], Send], what: str, wait: float) -> Any:
+        done = threading.Event()
+        with self._lock:
+            send = start(done)
+            conn = self._conn  # the connection it belongs to: never written to a later one
+        rid: int = send.msg.id  # type: ignore[attr-defined]
+        answered = False
+        try:
+            self._write(send.data, conn)  # outside the lock: the reader goes on meanwhile
+            answered = done.wait(wait)
+        finally:
+            if not answered:  # timed out or interrupted: what it is given anyway goes back
+                with self._lock:
+                    self._carry_out(self._core.abandon(rid))
+        if not answered:
+            raise DaemonUnavailable(f"gpud did not answer {what} within {wait} s")
+        with self._lock:
+            return self._core.finish(rid)
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._core.closed:
+                return
+            self._carry_out(self._core.close())
+            conn, self._conn = self._conn, None
+            self._idle_cond.notify_all()
+        self._closing.set()
+        if conn is not None:
+            conn.close()
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5)
+
+    # --- slices ---------------------------------------------------------------
+
+    def _enter_slice(self, s: SessionState) -> bool:
+        """Block until ``s`` holds the lock. False: proceeding unarbitrated."""
+        with self._lock:
+            if self._core.begin_slice(s):
+                return True  # the lock is kept between slices: no round trip, no wait
+            try:
+                while True:
+                    step, actions = self._core.lock_step(s, time.monotonic())
+                    self._carry_out(actions)
+                    if step == HOLD:
+                        return True
+                    if step == UNARBITRATED:
+                        return False
+                    self._cond.wait(step)
+            except BaseException:
+                self._carry_out(self._core.cancel_entry(s))
+                raise
+
+    def _exit_slice(self, s: SessionState) -> None:
+        used = None if s.memory_probe is None else read_memory(s.memory_probe)
+        with self._lock:
+            actions = self._core.end_slice(s, time.monotonic(), used)
+            if not actions:
+                return  # the common case: the lock is kept, nothing to send
+            hooks = self._carry_out(actions)
+        if hooks:
+            self._run_hooks(hooks)
+
+    def _release(self, s: SessionState) -> None:
+        with self._lock:
+            hooks = self._carry_out(self._core.release(s))
+        self._run_hooks(hooks)
+
+    def _detach(self, s: SessionState) -> None:
+        with self._lock:
+            sid = self._core.detach(s)
+            self._cond.notify_all()
+        if sid:
+            try:
+                self._request(lambda done: self._core.start(p.Detach(id=0, session=sid), done), "DETACH", self.request_timeout)
+            except GpudError:
+                pass  # gone with the connection either way
+
+    def _post(self, msg: msgspec.Struct) -> None:
+        """Send a message whose answer nobody waits for (nothing while unconnected)."""
+        with self._lock:
+            self._carry_out(self._core.send(msg))
+
+    def _report_memory(self, s: SessionState, used_bytes: int) -> None:
+        with self._lock:
+            self._carry_out(self._core.report_memory(s, used_bytes))
+
+    # --- carrying out the core's actions --------------------------------------
+
+    def _carry_out(self, actions: list[Action]) -> list[Hook]:
+        """Under the lock: sends, wake-ups and logs now; the hooks are returned, to be run outside it."""
+        hooks: list[Hook] = []
+        for a in actions:
+            match a:
+                case Send(data=data):
+                    self._write(data, self._conn)
+                case Resolve(waiter=done):
+                    done.set()
+                case Wake():
+                    self._cond.notify_all()
+                case ArmIdle():
+                    self._idle_cond.notify()
+                case ApplyMemoryLimit(limit=limit):
+                    cap_memory(limit)
+                case Log(level=level, text=text):
+                    log.log(level, text)
+                case CallOnDrop() | GiveBack() | CallOnLost():
+                    hooks.append(a)
+        return hooks
+
+    def _run_hooks(self, hooks: list[Hook]) -> None:
+        """Run user hooks in this thread, without the lock, then tell the core."""
+        for h in hooks:
+            match h:
+                case CallOnDrop(session=s, reason=reason, grant=grant):
+                    _call(s.on_drop, reason)
+                    with self._lock:
+                        more = self._carry_out(self._core.drop_told(s, grant))
+                    self._run_hooks(more)
+                case GiveBack(session=s, grant=grant):
+                    _call(s.synchronize)
+                    with self._lock:
+                        self._carry_out(self._core.given_back(s, grant))
+                case CallOnLost(session=s, error=error):
+                    _call(s.on_lost, error)
+
+    def _write(self, data: bytes, conn: Connection | None) -> None:
+        if conn is None:
+            return  # the core knows: nothing is sent while unconnected
+        with self._send_lock:
+            try:
+                conn.send_raw(data)
+            except OSError:
+                conn.shutdown()  # the reader sees the end and tells the core
+
+    # --- the connection and the reader and idle threads ---------------------------
+
+    def _open(self) -> None:
+        """Connect and say HELLO; raises GpudError."""
+        conn = Connection(self.path, timeout=self.request_timeout)
+        try:
+            with self._lock:
+                hello = self._core.hello(self.name, self.labels)
+            conn.send(hello.msg)
+            try:
+                reply = conn.recv(self.request_timeout)
+            except TimeoutError:
+                raise DaemonUnavailable(f"gpud at {self.path} did not answer HELLO") from None
+            with self._lock:
+                actions = self._core.welcomed(reply)
+                self._conn = conn
+                self._carry_out(actions)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _read_loop(self) -> None:
+        while True:
+            conn = self._conn
+            if conn is not None:
+                try:
+                    while True:
+                        msg = conn.recv()
+                        with self._lock:
+                            hooks = self._carry_out(self._core.receive(msg, time.monotonic()))
+                        if hooks:
+                            threading.Thread(target=self._run_hooks, args=(hooks,), daemon=True).start()
+                except GpudError as exc:
+                    self._lost(conn, str(exc))
+                except Exception as exc:  # a bug here must not leave the client deaf: start afresh
+                    log.exception("gpud client reader failed")
+                    self._lost(conn, f"client reader failed: {exc!r}")
+            if not self._reconnect():
+                return
+
+    def _lost(self, conn: Connection, why: str) -> None:
+        with self._lock:
+            hooks: list[Hook] = []
+            if self._conn is conn:
+                self._conn = None
+                hooks = self._carry_out(self._core.connection_lost(why))
+        conn.close()
+        if hooks:
+            threading.Thread(target=self._run_hooks, args=(hooks,), daemon=True).start()
+
+    def _reconnect(self) -> bool:
+        """Reconnect with jittered backoff; the core re-attaches the sessions. False: stop."""
+        attempt = 0
+        while not self._core.closed and self.reconnect:
+            try:
+                self._open()
+                return True
+            except GpudError as exc:  # a refusal is said out loud; an absence is expected
+                (log.warning if isinstance(exc, ProtocolError) else log.debug)("reconnecting to gpud failed: %s", exc)
+            self._closing.wait(reconnect_delay(attempt, random.random()))
+            attempt += 1
+        return False
+
+    def _idle_loop(self) -> None:
+        """Give back locks that no slice has used for ``idle_release`` s."""
+        while True:
+            with self._lock:
+                if self._core.closed:
+                    return
+                hooks = self._carry_out(self._core.idle_sweep(time.monotonic()))
+                if not hooks:
+                    wake = self._core.idle_wake_at
+                    self._idle_cond.wait(None if wake == float("inf") else max(0.0, wake - time.monotonic()))
+                    continue
+            self._run_hooks(hooks)
+
+
+def _call(hook: Callable[..., Any] | None, *args: Any) -> None:
+    if hook is None:
+        return
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("gpud client hook %s failed", getattr(hook, "__qualname__", hook))
