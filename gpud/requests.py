@@ -197,7 +197,9 @@ def set_limits(d: Daemon, conn: Connection, msg: p.SetLimits, now: int) -> p.Lim
     ]
     if not chosen:
         raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
-    admin = d.is_admin(conn)
+    # A ceiling binds the session's own client whoever runs it: an allocation's share is not lifted by the
+    # task it caps, even one running as root. An admin lifts it from another connection (gpuctl limit).
+    admin = d.is_admin(conn) and target is not conn
     if not admin:  # every chosen session is checked before any changes: all or nothing
         for sid, g in chosen:
             d.slots[g].scheduler.check_limits(sid, core_limit=msg.core_limit, mem_limit=msg.mem_limit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -150,6 +151,25 @@ def test_a_fractional_allocation_is_enforced_on_its_sessions(daemon: DaemonProce
     with Client(daemon.socket, name="labelled", labels={"task_id": "ray-task-7"}) as c2:
         s2 = c2.session(0, framework_hooks=False)
         assert s2.core_limit == 25
+
+
+def test_a_session_cannot_lift_its_own_allocations_ceiling_even_as_root(daemon: DaemonProcess) -> None:
+    """These tests run as root, an admin: the task a share caps must still not lift it itself; an
+    admin lifts it from another connection (gpuctl limit)."""
+    with Client(daemon.socket, name="capped") as c:
+        a = c.allocate("capped-task", gpus=0.25, owner_pid=os.getpid())
+        s = c.session(a.gpus[0], task_id="capped-task", framework_hooks=False)
+        with pytest.raises(PermissionDenied, match="ceiling of 25 %"):
+            s.set_limits(core_limit=100)
+        with pytest.raises(PermissionDenied, match="ceiling of 25 %"):
+            c.set_limits(core_limit=50)  # all of the client's own sessions: the same
+        assert s.core_limit == 25
+        with Client(daemon.socket, name="operator") as admin:
+            assert admin.set_limits("capped", core_limit=60) == [s.id]
+        deadline = time.monotonic() + 5
+        while s.core_limit != 60 and time.monotonic() < deadline:  # LIMITS_CHANGED is a push
+            time.sleep(0.01)
+        assert s.core_limit == 60
 
 
 @pytest.mark.parametrize(
