@@ -148,17 +148,20 @@ class Client(SyncDriver):
         mem_estimate: int | str | None = None,
         memory_probe: Callable[[], int] | None = None,
         framework_hooks: bool = True,
+        task_id: str | None = None,
     ) -> Session:
         """Attach to a GPU. ``core_limit``: percent of GPU time per window;
         ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
         ``memory_probe`` is read at each slice's end and reported when it
         moved; with torch already imported, PyTorch's reserved memory is the
         default probe and ``mem_limit`` also caps PyTorch's allocator.
-        ``on_lost`` is told at once when the session loses a lock it held."""
+        ``on_lost`` is told at once when the session loses a lock it held. ``task_id``: the
+        fractional allocation the session belongs to, whose share caps its limits."""
         s = Session(
             self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
             on_lost=on_lost, core_limit=core_limit, mem_limit=size(mem_limit), mem_estimate=size(mem_estimate),
             memory_probe=memory_probe or default_memory_probe(framework_hooks), framework_hooks=framework_hooks,
+            task_id=task_id,
         )
         self._request(lambda done: self._core.attach(s, done), "ATTACH", self.request_timeout)
         return s

@@ -283,5 +283,5 @@ class ClientCore(SliceRules):
 def attach_msg(s: SessionState) -> p.Attach:
     return p.Attach(
         id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
-        mem_limit=s.mem_limit, mem_estimate=s.mem_estimate,
+        mem_limit=s.mem_limit, mem_estimate=s.mem_estimate, task_id=s.task_id,
     )

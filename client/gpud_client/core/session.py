@@ -32,8 +32,10 @@ class SessionState:
         on_drop: Callable[[p.DropReason], Any] | None = None,
         synchronize: Callable[[], Any] | None = None,
         on_lost: Callable[[LockLost], Any] | None = None,
+        task_id: str | None = None,
     ) -> None:
         self.gpu_ref = gpu
+        self.task_id = task_id  # the fractional allocation it belongs to (its share caps the limits)
         self.priority = priority
         self.core_limit = core_limit
         self.mem_limit = mem_limit
