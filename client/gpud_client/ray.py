@@ -1,0 +1,348 @@
+"""Ray's fractional GPUs, enforced by gpud on every node (the optional extra ``gpud-client[ray]``).
+
+Ray's ``num_gpus=0.25`` is bookkeeping only. Inside a Ray worker, a task or
+actor wrapped here reads what Ray assigned it (the GPU ids and the amount, from
+the runtime context), connects to *that node's* gpud, allocates that share of
+that GPU for itself (owned by the worker process, so gpud reclaims it if the
+worker dies) and attaches a session that belongs to the allocation: its core
+limit is the fraction × 100 and its memory limit the fraction of the GPU's
+memory, ceilings the task cannot raise. Its GPU work then runs in slices of the
+time-sliced lock::
+
+    @ray.remote(num_gpus=0.25)
+    @gpud_task                       # the whole body is one slice
+    def embed(batch): ...
+
+    @ray.remote(num_gpus=0.25)
+    @gpud_task(slices="explicit")    # only the `with gpud_slice():` blocks
+    def train(steps):
+        for step in steps:
+            with gpud_slice():
+                ...
+
+    @ray.remote(num_gpus=0.5)
+    @gpud_actor                      # every method call is a slice; the session lives with the actor
+    class Model: ...
+
+The node's gpud is found from the ``socket`` argument, else ``$GPUD_SOCKET`` as
+the node's Ray was started with (workers inherit the raylet's environment),
+else ``/run/gpud/gpud.sock``. A node without gpud fails the task with a clear
+error (``on_missing="fail"``, the default) or runs it unarbitrated with a
+warning (``on_missing="warn"``). ``setup_hook`` turns ``gpud_slice()`` on for
+every task of a job through Ray's ``worker_process_setup_hook``. Everything here
+runs in Ray's worker processes; the driver needs nothing but Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
+
+try:
+    import ray
+except ImportError as exc:  # the base client needs msgspec alone; this module needs Ray too
+    raise ImportError(f"gpud_client.ray needs Ray: pip install 'gpud-client[ray]' ({exc})") from exc
+
+from gpud_client import protocol as p
+from gpud_client.client import Client, Session
+from gpud_client.errors import DaemonUnavailable, GpudError
+from gpud_client.units import parse_bytes
+
+log = logging.getLogger("gpud_client.ray")
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+Memory = Literal["proportional"] | int | str | None
+
+
+class GpudNotOnNode(GpudError):
+    """The Ray node that runs the task has no reachable gpud, and ``on_missing`` is "fail"."""
+
+
+@dataclass(frozen=True)
+class Options:
+    socket: str | None = None  # None: $GPUD_SOCKET of the worker (the node's), else the default path
+    memory: Memory = "proportional"  # a size (no more than the share), or None: memory not enforced
+    on_missing: Literal["fail", "warn"] = "fail"
+    wait_s: float = 0.0  # how long the allocation may wait for room on gpud's ledger
+    idle_release: float | None = 1.0  # a lock no slice used this long goes back between slices
+    priority: int = 0
+
+
+class Binding:
+    """One task's (or actor's) place on its node's gpud: its allocation and its sessions.
+
+    ``sessions`` is empty when the task has no GPU or the node has no gpud (on_missing="warn"):
+    its slices then run unarbitrated."""
+
+    def __init__(self, key: str, options: Options) -> None:
+        self.key = key
+        self.options = options
+        self.client: Client | None = None
+        self.task_id = ""
+        self.sessions: list[Session] = []
+        self.allocated: p.Allocated | None = None
+
+    def open(self) -> Binding:
+        ctx = ray.get_runtime_context()
+        ids = sorted(int(i) for i in ctx.get_accelerator_ids().get("GPU", []))
+        amount = float(ctx.get_assigned_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
+        if not ids or amount <= 0:
+            return self  # no GPU: nothing to arbitrate
+        self.client = _client(self.options)
+        if self.client is None:
+            return self
+        self.task_id = f"ray.{ctx.get_job_id()}.{self.key}"
+        share = amount if amount < 1 else float(len(ids))
+        try:
+            self.allocated = self.client.allocate(
+                self.task_id, gpus=share, prefer=list(ids), owner_pid=os.getpid(),
+                wait_ms=round(self.options.wait_s * 1000),
+            )
+            if sorted(self.allocated.gpus) != ids:
+                raise GpudError(
+                    f"gpud placed {self.task_id} on GPU {self.allocated.gpus}, not on the GPU {ids} Ray assigned: "
+                    "gpud's ledger has other allocations there; Ray and gpud must own the same GPUs"
+                )
+            memory = self._memory_limit(share)
+            for gpu in ids:
+                self.sessions.append(self.client.session(
+                    gpu, task_id=self.task_id, priority=self.options.priority,
+                    idle_release=self.options.idle_release, mem_limit=memory,
+                    mem_estimate=self._estimate(gpu, share), framework_hooks=self.options.memory is not None,
+                ))
+        except BaseException:
+            self.close()
+            raise
+        log.info("gpud enforces %s: %.4g of GPU %s", self.task_id, share, ids)
+        return self
+
+    def _memory_limit(self, share: float) -> int | None:
+        memory = self.options.memory
+        if memory is None or memory == "proportional":
+            return None  # the allocation's share of the GPU's memory is the session's limit
+        return parse_bytes(memory) if isinstance(memory, str) else memory
+
+    def _estimate(self, gpu: int, share: float) -> int | None:
+        """What admission counts for the session: its share of the GPU's memory."""
+        assert self.client is not None
+        total = next((g.memory_total_bytes for g in self.client.welcome.gpus if g.index == gpu), 0)
+        return int(total * min(share, 1.0)) or None
+
+    @contextlib.contextmanager
+    def slice(self) -> Iterator[None]:
+        """Every session's slice, in GPU order (so two multi-GPU tasks never wait on each other)."""
+        with contextlib.ExitStack() as stack:
+            for s in self.sessions:
+                stack.enter_context(s.slice())
+            yield
+
+    def close(self) -> None:
+        """Detach the sessions and free the allocation (the daemon also reclaims it if the worker dies)."""
+        sessions, self.sessions = self.sessions, []
+        for s in sessions:
+            s.close()
+        if self.client is not None and self.task_id:
+            try:
+                self.client.release_allocation(self.task_id)
+            except GpudError as exc:
+                log.warning("could not free %s at once (gpud reclaims it when this worker exits): %s",
+                            self.task_id, exc)
+        self.task_id = ""
+
+
+# --- per worker process ---------------------------------------------------------
+
+_lock = threading.Lock()
+_clients: dict[str, Client] = {}
+_bindings: dict[str, Binding] = {}  # Ray task or actor id -> its binding
+_defaults = Options()  # what setup_hook / enable() chose for this worker
+# The binding of the task running in this thread, and of the actor this worker is: found without asking
+# Ray's runtime context at every slice (tens of microseconds, billed as held time between kernels).
+_running = threading.local()
+_actor: list[Binding] = []
+
+
+def _client(options: Options) -> Client | None:
+    """This worker's client of its node's gpud (one per socket path). None: none, and that is allowed."""
+    path = p.resolve_socket_path(options.socket)
+    with _lock:
+        client = _clients.get(path)
+        if client is not None:
+            return client
+        try:
+            client = Client(path, name=_client_name(), labels=_labels())
+        except DaemonUnavailable as exc:
+            node = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            if options.on_missing == "fail":
+                raise GpudNotOnNode(
+                    f"no gpud on Ray node {node}: {exc}. Run gpud on every GPU node and start Ray there with "
+                    "GPUD_SOCKET set if it listens elsewhere, or pass on_missing='warn' to run unarbitrated"
+                ) from None
+            log.warning("no gpud on Ray node %s (%s): running without GPU arbitration", node, exc)
+            return None
+        _clients[path] = client
+        return client
+
+
+def _client_name() -> str:
+    return f"ray:{os.getpid()}"
+
+
+def _labels() -> dict[str, str]:
+    ctx = ray.get_runtime_context()
+    return {"ray_job": ctx.get_job_id(), "ray_node": ctx.get_node_id()[:16]}
+
+
+def _current_key() -> str:
+    ctx = ray.get_runtime_context()
+    actor = ctx.get_actor_id()
+    return f"actor.{actor}" if actor else f"task.{ctx.get_task_id()}"
+
+
+def current_binding() -> Binding:
+    """The running task's (or actor's) binding; one is opened with this worker's defaults if the task
+    was not wrapped (setup_hook mode). A task's binding is closed when it ends (wrapped) or when this
+    worker runs its next task (not wrapped)."""
+    found: Binding | None = getattr(_running, "binding", None) or (_actor[0] if _actor else None)
+    if found is not None:
+        return found
+    key = _current_key()
+    binding = _bindings.get(key)
+    if binding is None:
+        for old in [k for k in _bindings if k.startswith("task.") and k != key]:
+            _bindings.pop(old).close()  # an unwrapped task of this worker that has ended
+        binding = _bindings[key] = Binding(key, _defaults).open()
+    return binding
+
+
+@contextlib.contextmanager
+def gpud_slice() -> Iterator[None]:
+    """One unit of the running task's GPU work under gpud's lock."""
+    with current_binding().slice():
+        yield
+
+
+def current_sessions() -> list[Session]:
+    """The running task's gpud sessions (one per GPU Ray assigned; none without gpud or GPU)."""
+    return list(current_binding().sessions)
+
+
+# The wrappers below are pickled by value when the user's code is (its module is __main__, and
+# functools.wraps gives them its name), and a function pickled by value takes copies of the globals it
+# names. So they only call module functions, which are pickled by reference and share this worker's
+# state, never name _bindings themselves.
+
+
+def gpud_task(
+    fn: F | None = None, *, slices: Literal["body", "explicit"] = "body", **options: Any
+) -> F | Callable[[F], F]:
+    """Wrap a Ray task's function: enforced on its node's gpud while it runs; freed when it ends."""
+
+    def wrap(func: F) -> F:
+        chosen = replace(_defaults, **options)
+
+        @functools.wraps(func)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return _run_task(func, chosen, slices == "body", args, kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap if fn is None else wrap(fn)
+
+
+def _run_task(func: Callable[..., Any], options: Options, whole: bool, args: Any, kwargs: Any) -> Any:
+    key = _current_key()
+    binding = _bindings[key] = _running.binding = Binding(key, options).open()
+    try:
+        if whole:
+            with binding.slice():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+    finally:
+        _bindings.pop(key, None)
+        _running.binding = None
+        binding.close()
+
+
+def gpud_actor(cls: C | None = None, **options: Any) -> C | Callable[[C], C]:
+    """Wrap a Ray actor class: its session lives as long as the actor; each method call is a slice."""
+
+    def wrap(klass: C) -> C:
+        chosen = replace(_defaults, **options)
+        init = klass.__init__  # type: ignore[misc]
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            _start_actor(self, init, chosen, args, kwargs)
+
+        attrs: dict[str, Any] = {"__init__": __init__, "__module__": klass.__module__, "__doc__": klass.__doc__}
+        for name, member in inspect.getmembers(klass, inspect.isfunction):
+            if not name.startswith("_"):
+                attrs[name] = _sliced_method(member)
+        return type(klass.__name__, (klass,), attrs)  # type: ignore[return-value]
+
+    return wrap if cls is None else wrap(cls)
+
+
+def _start_actor(actor: Any, init: Callable[..., None], options: Options, args: Any, kwargs: Any) -> None:
+    key = _current_key()
+    binding = _bindings[key] = Binding(key, options).open()
+    _actor[:] = [binding]  # a Ray worker process is one actor for its whole life
+    atexit.register(binding.close)
+    with binding.slice():  # a constructor that loads a model is GPU work too
+        init(actor, *args, **kwargs)
+
+
+def _sliced_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await _in_slice_async(method, self, args, kwargs)
+
+        return run_async
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with gpud_slice():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+async def _in_slice_async(method: Callable[..., Any], actor: Any, args: Any, kwargs: Any) -> Any:
+    ctx = current_binding().slice()
+    await asyncio.to_thread(ctx.__enter__)  # waiting for the lock must not stop the actor's loop
+    try:
+        result = await method(actor, *args, **kwargs)
+    except BaseException as exc:
+        await asyncio.to_thread(ctx.__exit__, type(exc), exc, exc.__traceback__)
+        raise
+    await asyncio.to_thread(ctx.__exit__, None, None, None)
+    return result
+
+
+def enable(**options: Any) -> None:
+    """Turn gpud on for every task this worker runs: ``gpud_slice()`` then works in any task, and a
+    node without gpud is found (and, with on_missing="fail", refused) when the worker starts."""
+    global _defaults
+    _defaults = replace(_defaults, **options)
+    _client(_defaults)
+
+
+def setup_hook() -> None:
+    """For ``runtime_env={"worker_process_setup_hook": "gpud_client.ray.setup_hook"}``. Options come from
+    the job's environment: GPUD_RAY_ON_MISSING (fail|warn), GPUD_RAY_MEMORY (proportional|off|a size)."""
+    memory = os.environ.get("GPUD_RAY_MEMORY", "proportional")
+    on_missing = os.environ.get("GPUD_RAY_ON_MISSING", "fail")
+    if on_missing not in ("fail", "warn"):
+        raise ValueError(f"GPUD_RAY_ON_MISSING must be fail or warn, not {on_missing!r}")
+    enable(memory=None if memory == "off" else memory, on_missing=on_missing)

@@ -1,0 +1,204 @@
+"""Ray's fractional GPUs enforced by gpud: real Ray (logical GPUs), real gpud on simulated GPUs.
+
+One local Ray instance serves most tests: it starts with GPUD_SOCKET in its
+environment, as a node whose gpud listens on a private socket would, so every
+worker finds that daemon. The two-node test builds its own cluster of two Ray
+nodes on this machine, each started with its own gpud's socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray cannot be installed on this platform (gpud-client[ray])")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from gpud.spawn import DaemonProcess  # noqa: E402
+from gpud_client import Client, PermissionDenied  # noqa: E402
+from gpud_client.ray import current_sessions, gpud_actor, gpud_slice, gpud_task  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE_PP = 1.5  # the compute-limit accuracy target for these mixes
+
+
+def eventually(check: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def gpuctl(socket: str, *args: str) -> Any:
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", socket, *args, "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def holders(socket: str, gpu: int = 0) -> list[int]:
+    return [h["session"] for h in gpuctl(socket, "status")["gpus"][gpu]["holders"]]
+
+
+def allocations(socket: str) -> dict[str, list[int]]:
+    return {a["task_id"]: a["gpus"] for a in gpuctl(socket, "allocs")["allocations"]}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """gpud on two simulated GPUs, and a local Ray node with two logical GPUs that finds it."""
+    config = tmp_path_factory.mktemp("gpud") / "gpud.toml"
+    config.write_text("reap_interval_s = 0.2\nrestart_grace_s = 0\n")
+    daemon = DaemonProcess("--simulate", "2", "--mode", "serial", "--window", "0.5", "--config", str(config)).start()
+    saved = os.environ.get("GPUD_SOCKET")
+    os.environ["GPUD_SOCKET"] = daemon.socket  # the Ray node, and so its workers, inherit it
+    try:
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+        try:
+            yield daemon
+        finally:
+            ray.shutdown()
+    finally:
+        if saved is None:
+            os.environ.pop("GPUD_SOCKET", None)
+        else:
+            os.environ["GPUD_SOCKET"] = saved
+        daemon.stop()
+        daemon.cleanup()
+
+
+# --- what runs in the workers ---------------------------------------------------------------------
+
+
+@ray.remote(num_gpus=0.25, max_retries=0)
+@gpud_task
+def hold_until(flag: str, pid_file: str) -> int:
+    """Holds the lock (the whole body is one slice) until ``flag`` exists."""
+    Path(pid_file).write_text(str(os.getpid()))
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+@ray.remote(num_gpus=0.25, max_retries=0)
+@gpud_task(slices="explicit")
+def try_to_raise_my_limit() -> dict[str, Any]:
+    (session,) = current_sessions()
+    with gpud_slice():
+        held = session.holding
+    try:
+        session.set_limits(core_limit=100)
+        refused = ""
+    except PermissionDenied as exc:
+        refused = str(exc)
+    return {"held": held, "core_limit": session.core_limit, "mem_limit": session.mem_limit,
+            "total": session.memory_total_bytes, "refused": refused}
+
+
+@ray.remote(num_gpus=0.5)
+@gpud_actor(idle_release=0.05)
+class Prober:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def probe(self) -> dict[str, Any]:
+        self.calls += 1
+        (session,) = current_sessions()
+        return {"in_slice": session.in_slice, "holding": session.holding, "session": session.id,
+                "core_limit": session.core_limit, "grants": session.grants, "pid": os.getpid()}
+
+
+@ray.remote(num_gpus=0.25, max_retries=0)
+def unwrapped_slice() -> dict[str, Any]:
+    """No decorator: the job's worker_process_setup_hook turned gpud_slice() on."""
+    with gpud_slice():
+        (session,) = current_sessions()
+        return {"holding": session.holding, "core_limit": session.core_limit}
+
+
+# --- one node ---------------------------------------------------------------------------------------
+
+
+def test_the_fractions_ray_gave_are_the_shares_the_tasks_get() -> None:
+    """The example: 0.25 and 0.75 tasks on one GPU, a 0.5 actor on the other, kernels of 2-5 ms that
+    always have work, measured over 20 windows after a warm-up."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_fractions.py"), "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["scenarios"]}
+    for name in ("task-0.25", "task-0.75"):
+        assert abs(rows[name]["error_pp"]) <= TOLERANCE_PP, rows
+    # an actor's calls are its slices: the dispatch between two calls is held time it does not use
+    assert 45.0 <= rows["actor-0.5"]["achieved"] <= 50.0 + TOLERANCE_PP, rows
+
+
+def test_a_task_gets_its_fraction_as_limits_it_cannot_raise(node: DaemonProcess) -> None:
+    got = ray.get(try_to_raise_my_limit.remote())
+    assert got["held"] and got["core_limit"] == 25 and got["mem_limit"] == got["total"] // 4, got
+    assert "permission_denied" in got["refused"] and "25" in got["refused"], got
+    assert eventually(lambda: allocations(node.socket) == {}, "the task's allocation is freed when it ends")
+
+
+def test_an_actor_call_is_a_slice_and_its_session_lives_with_the_actor(node: DaemonProcess) -> None:
+    actor = Prober.remote()  # type: ignore[attr-defined]
+    first = ray.get(actor.probe.remote())
+    assert first["in_slice"] and first["holding"] and first["core_limit"] == 50
+    gpu = 0 if first["session"] in holders(node.socket, 0) else 1
+    eventually(lambda: holders(node.socket, gpu) == [], "given back between calls (idle_release 0.05 s)")
+    second = ray.get(actor.probe.remote())
+    assert second["in_slice"] and second["session"] == first["session"] and second["grants"] == first["grants"] + 1
+    assert [t for t in allocations(node.socket) if ".actor." in t]
+    ray.kill(actor)
+    eventually(lambda: not [t for t in allocations(node.socket) if ".actor." in t],
+               "the actor's allocation is reclaimed when its worker is gone")
+
+
+def test_killing_a_ray_worker_frees_its_lock_at_once(node: DaemonProcess, tmp_path: Path) -> None:
+    flag, pid_file = tmp_path / "go", tmp_path / "pid"
+    ref = hold_until.remote(str(flag), str(pid_file))
+    eventually(lambda: pid_file.exists() and holders(node.socket, 0) + holders(node.socket, 1),
+               "the task holds a GPU lock")
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    eventually(lambda: holders(node.socket, 0) + holders(node.socket, 1) == [], "the lock is freed", timeout=1.0)
+    freed = time.monotonic() - t0
+    eventually(lambda: allocations(node.socket) == {}, "the killed task's allocation is reclaimed")
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(ref)
+    assert freed < 1.0
+
+
+def test_a_node_without_gpud_fails_the_task_clearly_or_runs_it_unarbitrated(tmp_path: Path, node: DaemonProcess) -> None:
+    nowhere = str(tmp_path / "no-gpud.sock")
+
+    def body() -> str:
+        return "ran"
+
+    strict = ray.remote(num_gpus=0.25, max_retries=0)(gpud_task(body, socket=nowhere))
+    with pytest.raises(ray.exceptions.RayTaskError, match="no gpud on Ray node .*on_missing='warn'"):
+        ray.get(strict.remote())
+    lax = ray.remote(num_gpus=0.25, max_retries=0)(gpud_task(body, socket=nowhere, on_missing="warn"))
+    assert ray.get(lax.remote()) == "ran"
+
+
+def test_the_setup_hook_turns_gpud_on_for_a_whole_job(node: DaemonProcess) -> None:
+    env = {"worker_process_setup_hook": "gpud_client.ray.setup_hook"}
+    got = ray.get(unwrapped_slice.options(runtime_env=env).remote())
+    assert got == {"holding": True, "core_limit": 25}
+    missing = {**env, "env_vars": {"GPUD_SOCKET": "/tmp/gpud-not-here.sock"}}
+    with pytest.raises(ray.exceptions.RayError, match="no gpud on Ray node"):
+        ray.get(unwrapped_slice.options(runtime_env=missing).remote())
