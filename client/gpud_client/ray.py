@@ -54,7 +54,7 @@ except ImportError as exc:  # the base client needs msgspec alone; this module n
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
-from gpud_client.errors import DaemonUnavailable, GpudError
+from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.units import parse_bytes
 
 log = logging.getLogger("gpud_client.ray")
@@ -103,6 +103,7 @@ class Binding:
         self.task_id = f"ray.{ctx.get_job_id()}.{self.key}"
         share = amount if amount < 1 else float(len(ids))
         try:
+            self._free_earlier_attempt()
             self.allocated = self.client.allocate(
                 self.task_id, gpus=share, prefer=list(ids), owner_pid=os.getpid(),
                 wait_ms=round(self.options.wait_s * 1000),
@@ -124,6 +125,16 @@ class Binding:
             raise
         log.info("gpud enforces %s: %.4g of GPU %s", self.task_id, share, ids)
         return self
+
+    def _free_earlier_attempt(self) -> None:
+        """Ray runs one attempt of a task at a time, and a retry keeps the task id: an allocation under
+        this id is a crashed attempt's, owned by a dead worker, and would be reaped under this one."""
+        assert self.client is not None
+        try:
+            self.client.release_allocation(self.task_id)
+        except ProtocolError as exc:
+            if exc.code != p.ErrorCode.UNKNOWN_TASK:
+                raise
 
     def _memory_limit(self, share: float) -> int | None:
         memory = self.options.memory

@@ -30,6 +30,7 @@ from gpud_client.ray import current_sessions, gpud_actor, gpud_slice, gpud_task 
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE_PP = 1.5  # the compute-limit accuracy target for these mixes
+REAP_S = 2.0  # longer than Ray takes to retry a crashed task, so a retry meets its crashed attempt's record
 
 
 def eventually(check: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
@@ -61,7 +62,7 @@ def allocations(socket: str) -> dict[str, list[int]]:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """gpud on two simulated GPUs, and a local Ray node with two logical GPUs that finds it."""
     config = tmp_path_factory.mktemp("gpud") / "gpud.toml"
-    config.write_text("reap_interval_s = 0.2\nrestart_grace_s = 0\n")
+    config.write_text(f"reap_interval_s = {REAP_S}\nrestart_grace_s = 0\n")
     daemon = DaemonProcess("--simulate", "2", "--mode", "serial", "--window", "0.5", "--config", str(config)).start()
     saved = os.environ.get("GPUD_SOCKET")
     os.environ["GPUD_SOCKET"] = daemon.socket  # the Ray node, and so its workers, inherit it
@@ -119,6 +120,23 @@ class Prober:
         (session,) = current_sessions()
         return {"in_slice": session.in_slice, "holding": session.holding, "session": session.id,
                 "core_limit": session.core_limit, "grants": session.grants, "pid": os.getpid()}
+
+
+@ray.remote(num_gpus=0.25, max_retries=1)
+@gpud_task
+def crash_once(marker: str) -> dict[str, Any]:
+    """The first attempt dies outright holding its allocation; Ray retries the task (same task id)."""
+    if not os.path.exists(marker):
+        Path(marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    (session,) = current_sessions()
+    me = "task." + ray.get_runtime_context().get_task_id()  # the same id for every attempt
+    with Client() as c:
+        mine = [(a.task_id, a.owner_pid) for a in c.allocations().allocations if a.task_id.endswith(me)]
+    time.sleep(2.5)  # a reap pass (every 2 s) runs meanwhile: what this attempt holds must stay
+    with Client() as c:
+        after = [a.task_id for a in c.allocations().allocations if a.task_id.endswith(me)]
+    return {"pid": os.getpid(), "core_limit": session.core_limit, "allocations": mine, "after": after}
 
 
 @ray.remote(num_gpus=0.25, max_retries=0)
@@ -180,6 +198,17 @@ def test_killing_a_ray_worker_frees_its_lock_at_once(node: DaemonProcess, tmp_pa
     with pytest.raises(ray.exceptions.RayError):
         ray.get(ref)
     assert freed < 1.0
+
+
+def test_a_retry_after_a_crash_gets_a_working_allocation_and_the_first_is_not_kept(
+    node: DaemonProcess, tmp_path: Path
+) -> None:
+    marker = tmp_path / "first-attempt"
+    got = ray.get(crash_once.remote(str(marker)))
+    assert int(marker.read_text()) != got["pid"]  # the retry ran in another worker
+    assert got["core_limit"] == 25 and [owner for _, owner in got["allocations"]] == [got["pid"]], got
+    assert got["after"] == [got["allocations"][0][0]], got  # not reaped under the running attempt
+    eventually(lambda: allocations(node.socket) == {}, "nothing is left once the retry ended")
 
 
 def test_a_node_without_gpud_fails_the_task_clearly_or_runs_it_unarbitrated(tmp_path: Path, node: DaemonProcess) -> None:
