@@ -36,7 +36,7 @@ from gpud.core.ledger import (
 )
 from gpud.core.scheduler import Refused
 from gpud.store import Store, StoreError
-from gpud.state import Connection, Host
+from gpud.state import ClientLink, Host
 from gpud_client import protocol as p
 
 
@@ -53,7 +53,7 @@ class Allocator:
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
             self.uids: dict[str, int] = {}  # task id -> uid that allocated it
-            self.waiters: dict[str, tuple[Connection, int, int]] = {}  # task id -> (conn, request id, since)
+            self.waiters: dict[str, tuple[ClientLink, int, int]] = {}  # task id -> (conn, request id, since)
             self._restore()
         except StoreError as exc:
             raise RuntimeError(f"the allocation store cannot be used: {exc}") from None
@@ -88,7 +88,7 @@ class Allocator:
         self.config = config
         self.ledger.reconfigure(tenants=_quotas(config), max_waiters=config.max_allocation_waiters)
 
-    def session_allocation(self, conn: Connection, named: str | None, gpu: int) -> Allocation | None:
+    def session_allocation(self, conn: ClientLink, named: str | None, gpu: int) -> Allocation | None:
         """The allocation a new session of ``conn`` on ``gpu`` belongs to (see core.authority)."""
         if named is not None and (alloc := self.ledger.get(named)) is not None:
             self._check_owner(conn, named, "attach a session to")
@@ -100,7 +100,7 @@ class Allocator:
 
     # --- requests -----------------------------------------------------------
 
-    def allocate(self, conn: Connection, msg: p.Allocate, now: int) -> p.Allocated | None:
+    def allocate(self, conn: ClientLink, msg: p.Allocate, now: int) -> p.Allocated | None:
         if self.ledger.get(msg.task_id) is not None or msg.task_id in self.waiters:
             self._check_owner(conn, msg.task_id, "ask for")
         if msg.tenant is not None:
@@ -131,7 +131,7 @@ class Allocator:
             self._made(alloc)
         return self.answer(msg.id, alloc, 0.0)
 
-    def free(self, conn: Connection, task_id: str, now: int) -> None:
+    def free(self, conn: ClientLink, task_id: str, now: int) -> None:
         alloc = self.ledger.get(task_id)
         if alloc is None and task_id not in self.waiters:
             raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
@@ -150,7 +150,7 @@ class Allocator:
         log.info("allocation_freed", task_id=task_id, by_pid=conn.pid)
         self.carry_out(effects, now)
 
-    def reset(self, conn: Connection, now: int) -> None:
+    def reset(self, conn: ClientLink, now: int) -> None:
         if not self.daemon.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})")
         released = self.ledger.allocations()
@@ -162,7 +162,7 @@ class Allocator:
         log.warning("allocations_reset", by_pid=conn.pid, count=len(released))
         self.carry_out(effects, now)
 
-    def connection_closed(self, conn: Connection, now: int) -> None:
+    def connection_closed(self, conn: ClientLink, now: int) -> None:
         """Waits die with their connection; allocations outlive it (they are durable)."""
         for task_id in [t for t, (c, _, _) in self.waiters.items() if c is conn]:
             del self.waiters[task_id]
@@ -266,13 +266,13 @@ class Allocator:
         except Refused as exc:
             raise Refused(p.ErrorCode.UNKNOWN_GPU, f"{exc.message} in prefer") from None
 
-    def _member(self, conn: Connection, tenant: str) -> bool:
+    def _member(self, conn: ClientLink, tenant: str) -> bool:
         t = self.config.tenants.get(tenant)
         if t is None:
             return False
         return (not t.uids and not t.gids) or conn.uid in t.uids or conn.gid in t.gids
 
-    def _check_owner(self, conn: Connection, task_id: str, what: str) -> None:
+    def _check_owner(self, conn: ClientLink, task_id: str, what: str) -> None:
         """Another uid's task id is refused, never answered with its devices."""
         owner = self.uids.get(task_id)
         if owner is None and task_id in self.waiters:
@@ -280,11 +280,11 @@ class Allocator:
         if owner is not None and owner != conn.uid and not self.daemon.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} belongs to uid {owner}: you may not {what} it")
 
-    def _check_member(self, conn: Connection, tenant: str) -> None:
+    def _check_member(self, conn: ClientLink, tenant: str) -> None:
         if tenant in self.config.tenants and not self._member(conn, tenant) and not self.daemon.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"uid {conn.uid} may not allocate as tenant {tenant!r}")
 
-    def _check_may_free(self, conn: Connection, alloc: Allocation) -> None:
+    def _check_may_free(self, conn: ClientLink, alloc: Allocation) -> None:
         if self.daemon.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
             return
         t = self.config.tenants.get(alloc.tenant or "")

@@ -22,7 +22,7 @@ from gpud.core.authority import check_priority
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Effect, Grant, HoldOverdue, LeaseDenied, Refused, Revoke
 from gpud.metrics import Metrics
-from gpud.state import Connection, GpuSlot, Host
+from gpud.state import ClientLink, GpuSlot, Host
 from gpud_client import protocol as p
 
 
@@ -33,7 +33,7 @@ log = structlog.get_logger("gpud.arbiter")
 class LeaseRecord:
     sid: int
     lease_id: str
-    conn: Connection
+    conn: ClientLink
     gpu: int
     terms: LeaseTerms
     trace: p.Trace
@@ -92,7 +92,7 @@ class Arbiter:
 
     # --- requests -----------------------------------------------------------
 
-    def acquire(self, conn: Connection, msg: p.Acquire, sid: int, now: int) -> None:
+    def acquire(self, conn: ClientLink, msg: p.Acquire, sid: int, now: int) -> None:
         slot = self.daemon.slots[self.daemon.gpu_index(msg.gpu)]
         self.daemon.check_room(conn)
         check_priority(msg.priority, self.daemon.priority_ceiling(conn), "lease")
@@ -124,7 +124,7 @@ class Arbiter:
             rec.waiting = True
             self._m(rec).queue_length.inc()
 
-    def release(self, conn: Connection, lease_id: str, now: int) -> None:
+    def release(self, conn: ClientLink, lease_id: str, now: int) -> None:
         rec = self.by_id.get(lease_id)
         if rec is None:
             return  # released already, or never ours to know: idempotent
@@ -136,7 +136,7 @@ class Arbiter:
         self._finish(rec, now, "released")
         self.daemon.carry_out(slot, slot.scheduler.release_lease(rec.sid, now), now)
 
-    def connection_closed(self, conn: Connection, now: int) -> None:
+    def connection_closed(self, conn: ClientLink, now: int) -> None:
         """Its leases die with it (the scheduler side is detached by the caller)."""
         for rec in [r for r in self.by_sid.values() if r.conn is conn]:
             self._finish(rec, now, "disconnected")

@@ -37,7 +37,7 @@ from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
 from gpud.requests import handle
 from gpud.server import Daemon
-from gpud.state import Connection, GpuSlot
+from gpud.state import ClientLink, GpuSlot
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
@@ -111,7 +111,7 @@ def _refuse_connection(daemon: Daemon, fd: int, creds: tuple[int, int, int], cap
         pass
 
 
-async def _expect_hello(daemon: Daemon, conn: Connection, scope: trio.CancelScope) -> None:
+async def _expect_hello(daemon: Daemon, conn: ClientLink, scope: trio.CancelScope) -> None:
     with scope:
         await trio.sleep(daemon.config.hello_timeout_s)
         if not conn.greeted:
@@ -120,7 +120,7 @@ async def _expect_hello(daemon: Daemon, conn: Connection, scope: trio.CancelScop
             daemon.drop(conn, "no_hello")
 
 
-async def _write_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStream) -> None:
+async def _write_loop(daemon: Daemon, conn: ClientLink, stream: trio.SocketStream) -> None:
     while True:
         if not conn.pending:
             if conn.closing:
@@ -138,7 +138,7 @@ async def _write_loop(daemon: Daemon, conn: Connection, stream: trio.SocketStrea
             conn.drained.set()
 
 
-async def _read_loop(daemon: Daemon, conn: Connection) -> None:
+async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
     codec = p.daemon_codec()
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
     fd = conn.fd
@@ -174,12 +174,12 @@ async def _read_loop(daemon: Daemon, conn: Connection) -> None:
                 work, turn_began = 0, time.perf_counter()
 
 
-async def _wait_drained(conn: Connection) -> None:
+async def _wait_drained(conn: ClientLink) -> None:
     conn.drained = trio.Event()
     await conn.drained.wait()
 
 
-def handle_payload(daemon: Daemon, conn: Connection, payload: bytes, codec: p.Codec) -> bool:
+def handle_payload(daemon: Daemon, conn: ClientLink, payload: bytes, codec: p.Codec) -> bool:
     """One frame from a client: decode, handle, answer. False: close the connection.
 
     Whatever goes wrong stays with this connection: a peer's mistake is answered
@@ -212,7 +212,7 @@ def handle_payload(daemon: Daemon, conn: Connection, payload: bytes, codec: p.Co
     return True
 
 
-def protocol_error(daemon: Daemon, conn: Connection, rid: int | None, code: p.ErrorCode, message: str) -> None:
+def protocol_error(daemon: Daemon, conn: ClientLink, rid: int | None, code: p.ErrorCode, message: str) -> None:
     """Answer a peer's mistake; log the first of the connection, count them all."""
     daemon.send_error(conn, rid, code, message)
     if not conn.protocol_errors:

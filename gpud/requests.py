@@ -18,14 +18,14 @@ from gpud.core.authority import check_priority, fraction_ceilings
 from gpud.core.scheduler import Refused
 from gpud.server import Daemon
 from gpud.metrics import session_labels
-from gpud.state import Connection, GpuSlot
+from gpud.state import ClientLink, GpuSlot
 from gpud.views import clients_reply, status_reply
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
 
 
-def handle(d: Daemon, conn: Connection, msg: Any) -> msgspec.Struct | None:
+def handle(d: Daemon, conn: ClientLink, msg: Any) -> msgspec.Struct | None:
     """One decoded request -> its answer (or None). Raises Refused."""
     if d.shutting_down:
         raise Refused(p.ErrorCode.SHUTTING_DOWN, "gpud is shutting down; the client library reconnects when it is back")
@@ -127,7 +127,7 @@ def handle(d: Daemon, conn: Connection, msg: Any) -> msgspec.Struct | None:
     raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
 
 
-def hello(d: Daemon, conn: Connection, msg: p.Hello) -> p.Welcome:
+def hello(d: Daemon, conn: ClientLink, msg: p.Hello) -> p.Welcome:
     if msg.version != p.PROTOCOL_VERSION:
         raise Refused(
             p.ErrorCode.VERSION,
@@ -154,7 +154,7 @@ def hello(d: Daemon, conn: Connection, msg: p.Hello) -> p.Welcome:
     )
 
 
-def attach(d: Daemon, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
+def attach(d: Daemon, conn: ClientLink, msg: p.Attach, now: int) -> p.Attached:
     slot = d.slots[d.gpu_index(msg.gpu)]
     d.check_room(conn)
     check_priority(msg.priority, d.priority_ceiling(conn), "session")
@@ -181,7 +181,7 @@ def attach(d: Daemon, conn: Connection, msg: p.Attach, now: int) -> p.Attached:
     )
 
 
-def set_limits(d: Daemon, conn: Connection, msg: p.SetLimits, now: int) -> p.LimitsSet:
+def set_limits(d: Daemon, conn: ClientLink, msg: p.SetLimits, now: int) -> p.LimitsSet:
     if msg.core_limit is None and msg.mem_limit is None:
         raise Refused(p.ErrorCode.INVALID, "nothing to change: give core_limit and/or mem_limit")
     target = conn if msg.client is None else find_client(d, msg.client)
@@ -218,7 +218,7 @@ def set_limits(d: Daemon, conn: Connection, msg: p.SetLimits, now: int) -> p.Lim
     return p.LimitsSet(id=msg.id, sessions=[sid for sid, _ in chosen])
 
 
-def find_client(d: Daemon, ref: int | str) -> Connection:
+def find_client(d: Daemon, ref: int | str) -> ClientLink:
     if isinstance(ref, int):
         found = [c for c in d.connections.values() if c.client_id == ref and c.greeted]
     else:
@@ -231,19 +231,19 @@ def find_client(d: Daemon, ref: int | str) -> Connection:
     return found[0]
 
 
-def lock_op(d: Daemon, conn: Connection, sid: int, now: int, op: Any) -> None:
+def lock_op(d: Daemon, conn: ClientLink, sid: int, now: int, op: Any) -> None:
     slot = owned(d, conn, sid)
     d.carry_out(slot, op(slot.scheduler), now)
 
 
-def owned(d: Daemon, conn: Connection, sid: int) -> GpuSlot:
+def owned(d: Daemon, conn: ClientLink, sid: int) -> GpuSlot:
     gpu = conn.sessions.get(sid)
     if gpu is None:
         raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"session {sid} is not attached on this connection")
     return d.slots[gpu]
 
 
-def observe_release(d: Daemon, conn: Connection, sid: int) -> None:
+def observe_release(d: Daemon, conn: ClientLink, sid: int) -> None:
     gpu = conn.sessions[sid]
     v = d.slots[gpu].scheduler.session(sid, 0)
     d.metrics.node.lock_hold.labels(gpu).observe(v.last_hold_us / 1e6)
@@ -251,7 +251,7 @@ def observe_release(d: Daemon, conn: Connection, sid: int) -> None:
         d.metrics.node.drop_to_release.labels(gpu).observe(v.last_drop_to_release_us / 1e6)
 
 
-def require_admin(d: Daemon, conn: Connection, msg: msgspec.Struct) -> None:
+def require_admin(d: Daemon, conn: ClientLink, msg: msgspec.Struct) -> None:
     if not d.is_admin(conn):
         raise Refused(
             p.ErrorCode.PERMISSION_DENIED,

@@ -44,7 +44,7 @@ from gpud.core.scheduler import (
 from gpud.devices import Gpu
 from gpud.faults import Faults
 from gpud.metrics import Metrics, session_labels
-from gpud.state import Connection, GpuSlot, now_us
+from gpud.state import ClientLink, GpuSlot, now_us
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
@@ -71,8 +71,8 @@ class Daemon:
         self.shutting_down = False
         self._identities = [GpuIdentity(g.index, g.uuid) for g in gpus]
         self._gpu_refs: dict[int | str, int] = {}
-        self.connections: dict[int, Connection] = {}
-        self.owners: dict[int, Connection] = {}  # session -> connection
+        self.connections: dict[int, ClientLink] = {}
+        self.owners: dict[int, ClientLink] = {}  # session -> connection
         self._client_ids = itertools.count(1)
         self._session_ids = itertools.count(1)
         self._codec = p.daemon_codec()
@@ -99,7 +99,7 @@ class Daemon:
     def encode(self, msg: msgspec.Struct) -> bytes:
         return self._codec.encode(msg)
 
-    def send(self, conn: Connection, msg: msgspec.Struct) -> None:
+    def send(self, conn: ClientLink, msg: msgspec.Struct) -> None:
         if conn.closing:
             return
         data = self.encode(msg)
@@ -123,7 +123,7 @@ class Daemon:
         conn.pending_bytes += len(data)
         conn.writer_wake.set()
 
-    def drop(self, conn: Connection, reason: str) -> None:
+    def drop(self, conn: ClientLink, reason: str) -> None:
         """Close a connection from outside its own task: once, whatever called it."""
         if conn.closing:
             return
@@ -131,7 +131,7 @@ class Daemon:
         conn.cancel.cancel()
         self.metrics.node.connections_dropped.labels(reason).inc()
 
-    def send_error(self, conn: Connection, rid: int | None, code: p.ErrorCode, message: str) -> None:
+    def send_error(self, conn: ClientLink, rid: int | None, code: p.ErrorCode, message: str) -> None:
         self.metrics.node.protocol_errors.labels(str(code)).inc()
         self.send(conn, p.Error(id=rid, code=code, message=message))
 
@@ -197,14 +197,14 @@ class Daemon:
                             limit_bytes=limit)
                 self.send(owner, p.MemLimitExceeded(session=sid, used_bytes=used, limit_bytes=limit))
 
-    def is_admin(self, conn: Connection) -> bool:
+    def is_admin(self, conn: ClientLink) -> bool:
         """uid 0, the daemon's own uid, or a member of ``admin_group``."""
         if conn.uid == 0 or conn.uid == self.daemon_uid:
             return True
         gid = self.admin_gid
         return gid is not None and (conn.gid == gid or gid in conn.groups)
 
-    def priority_ceiling(self, conn: Connection) -> int:
+    def priority_ceiling(self, conn: ClientLink) -> int:
         return priority_ceiling(self.priority_rules, conn.uid, conn.groups | {conn.gid}, admin=self.is_admin(conn))
 
     # --- connection lifetime --------------------------------------------------
@@ -234,15 +234,15 @@ class Daemon:
 
     def open(
         self, creds: tuple[int, int, int], groups: frozenset[int], fd: int, cancel: trio.CancelScope
-    ) -> Connection:
+    ) -> ClientLink:
         pid, uid, gid = creds
-        conn = Connection(next(self._client_ids), pid, uid, gid, groups, fd, cancel, self.now())
+        conn = ClientLink(next(self._client_ids), pid, uid, gid, groups, fd, cancel, self.now())
         self.connections[conn.client_id] = conn
         self.per_uid[uid] += 1
         self.metrics.node.clients.set(len(self.connections))
         return conn
 
-    def close(self, conn: Connection) -> None:
+    def close(self, conn: ClientLink) -> None:
         """Everything the connection held or queued is freed at once; a fault in
         one part of the cleanup does not keep the rest from running."""
         conn.closing = True
@@ -308,7 +308,7 @@ class Daemon:
         for slot in self.slots:
             self.carry_out(slot, slot.scheduler.advance(now), now)
 
-    def check_room(self, conn: Connection) -> None:
+    def check_room(self, conn: ClientLink) -> None:
         """Refuse one more session or lease on a connection that has its cap of them."""
         cap = self.config.max_sessions_per_connection
         if len(conn.sessions) >= cap:

@@ -50,7 +50,7 @@ from gpud.server import Daemon
 from gpud_client import protocol as p
 
 if TYPE_CHECKING:
-    from gpud.state import Connection
+    from gpud.state import ClientLink
 
 GIB = 2**30
 MAX_PEERS = 4
@@ -93,7 +93,7 @@ SESSION_PUSHES = (p.LockOk, p.DropLock, p.Revoked, p.LimitsChanged, p.MemLimitEx
 class Peer:
     """The test's end of one simulated connection."""
 
-    conn: Connection
+    conn: ClientLink
     daemon_end: socket.socket
     client_end: socket.socket | None  # None once the peer hung up
     reads: bool  # drains its answers every step (else only when closed)
@@ -538,7 +538,7 @@ class Fuzz:
         faults = [s for s in _samples(d.metrics.node.faults) if s.name.endswith("_total") and s.value]
         assert not faults, f"faults counted: {faults}"
 
-    def check_arbiter(self, open_conns: dict[int, Connection]) -> None:
+    def check_arbiter(self, open_conns: dict[int, ClientLink]) -> None:
         arb = self.daemon.arbiter
         assert set(arb.by_id) == {r.lease_id for r in arb.by_sid.values()}
         waiting = 0
@@ -553,7 +553,7 @@ class Fuzz:
         assert all(v >= 0 for v in gauges), f"gpud_arbiter_queue_length went negative: {gauges}"
         assert sum(gauges) == waiting, f"gpud_arbiter_queue_length sums to {sum(gauges)}, {waiting} leases wait"
 
-    def check_allocator(self, open_conns: dict[int, Connection]) -> None:
+    def check_allocator(self, open_conns: dict[int, ClientLink]) -> None:
         alloc = self.daemon.allocator
         led = alloc.ledger
         for slot in self.daemon.slots:

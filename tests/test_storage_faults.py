@@ -29,7 +29,7 @@ from gpud.listener import handle_payload
 from gpud.logging import LineWriter
 from gpud.metrics import Metrics
 from gpud.server import Daemon
-from gpud.state import Connection
+from gpud.state import ClientLink
 from gpud.store import BUSY_TIMEOUT_MS, Store, StoreError
 from gpud_client import protocol as p
 
@@ -133,16 +133,16 @@ class Node:
 
         self.daemon.allocator.store.write = write  # type: ignore[method-assign]
 
-    def connect(self, name: str) -> Connection:
+    def connect(self, name: str) -> ClientLink:
         conn = self.daemon.open((os.getpid(), os.getuid(), os.getgid()), frozenset(), -1, trio.CancelScope())
         assert isinstance(self.call(conn, p.Hello(id=1, version=p.PROTOCOL_VERSION, name=name))[0], p.Welcome)
         return conn
 
-    def call(self, conn: Connection, msg: msgspec.Struct) -> list[Any]:
+    def call(self, conn: ClientLink, msg: msgspec.Struct) -> list[Any]:
         assert handle_payload(self.daemon, conn, msgspec.msgpack.encode(msg), self.codec)
         return self.received(conn)
 
-    def received(self, conn: Connection) -> list[Any]:
+    def received(self, conn: ClientLink) -> list[Any]:
         frames = p.FrameDecoder(p.MAX_REPLY_BYTES).feed(b"".join(conn.pending))
         conn.pending.clear()
         conn.pending_bytes = 0

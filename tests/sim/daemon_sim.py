@@ -102,7 +102,7 @@ from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
 from gpud.metrics import Metrics
 from gpud.server import Daemon
-from gpud.state import Connection
+from gpud.state import ClientLink
 from gpud.store import Store, StoreError
 from gpud_client import protocol as p
 
@@ -189,7 +189,7 @@ class Client:
     uid: int
     kind: str
     pid: int
-    conn: Connection | None = None
+    conn: ClientLink | None = None
     gen: int = 0  # connections opened so far (agenda entries name the one they belong to)
     greeted: bool = False
     client_id: int = 0  # the daemon's id for the connection (WELCOME)
@@ -382,7 +382,7 @@ class World:
         self.faults: list[str] = []
         self.injected = 0  # store writes failed on purpose so far
         self.daemon_runs = 0
-        self.closed_conns: deque[Connection] = deque(maxlen=32)
+        self.closed_conns: deque[ClientLink] = deque(maxlen=32)
         self.grants_now: list[tuple[int, int, int, int, int]] = []  # (gpu, sid, seq, priority, grant) this event
         self._last_grants: list[tuple[int, int, int, int, int]] = []
         self.deferred: list[Any] = []  # checks judged at the end of the event
