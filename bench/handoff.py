@@ -1,4 +1,5 @@
-"""Latency of gpud's GPU lock: one client's cycle, and the handoff between clients.
+"""Latency of gpud's GPU lock: one client's cycle, and the handoff between clients,
+each beside the floor any Python daemon pays (a minimal relay, in the same run).
 
 What is measured, against a real daemon (``--simulate 1``) in its own process:
 - uncontended cycle: one client alone; from sending LOCK_REQUEST to having
@@ -8,15 +9,42 @@ What is measured, against a real daemon (``--simulate 1``) in its own process:
   LOCK_RELEASED}. The handoff is the time from A's release (stamped just
   before sending LOCK_RELEASED) to B's grant (stamped once LOCK_OK is read and
   decoded). It is run with 2 clients (the headline figure) and 64 clients.
+  These are the "processes" harness: one OS process per client, placed on
+  CPUs by the kernel.
+- the "pair" harness, the issue's own: one client process with two
+  connections A and B. A cycle is A alone (as above); a handoff is A holding,
+  B asking, 200 us later A releasing, and B's LOCK_OK read (A's LOCK_RELEASED
+  send -> B's LOCK_OK receipt, as in bench/abuse.py). It is pinned, and run
+  twice: the client and the server on one CPU (``pair_*``: the server runs
+  while the client waits, so no wake-up crosses CPUs and what is left is the
+  software's cost), and on two (``pair_two_cpus_*``: every message wakes the
+  other CPU). Left to the kernel, a client and a server on this 2-CPU VM land
+  either way and stay for seconds, which alone moves a round trip between ~12
+  and ~70 us, so a ratio of two unpinned servers compares placements, not
+  servers. ``daemon_cpu_us_per_cycle``: the daemon's utime + stime
+  (/proc/PID/stat) over ``warmup + rounds`` pair cycles on it alone, divided by
+  them.
+- the floor: a minimal relay in Python (one process, ``selectors`` on
+  non-blocking Unix sockets, the protocol's framing and its typed codec for
+  every message, as gpud decodes and encodes them; HELLO -> WELCOME, ATTACH ->
+  ATTACHED, LOCK_REQUEST -> LOCK_OK or the FIFO, the holder's LOCK_RELEASED
+  -> LOCK_OK to the FIFO's head; nothing else: no checks beyond decoding, no
+  errors, metrics or logs). The same client code, hold times and percentiles
+  run against it in the same run: the cycle and the 2-client handoff of the
+  processes harness in ``--blocks`` blocks alternating with gpud's, and the
+  pair harness in blocks of PAIR_BLOCK alternating with gpud's, so both see
+  the same host. gpud / floor for p50 and p99 is reported beside a target of
+  3x.
 
-How: every client is its own OS process (multiprocessing, forkserver) using the
+How: the clients run in OS processes of their own (multiprocessing, forkserver) on the
 bare blocking ``gpud_client.connection.Connection`` (no reader thread), so the
 figures are the daemon's and the socket path's. Each client stamps its events
 with ``time.monotonic_ns()``, which on Linux is one clock for every process.
 The lock is serial, so over time grants and releases must strictly alternate,
 each release by the holder of the grant before it; the merged timeline is
 checked for that before any handoff is computed, which validates the
-measurement. A gap where the next holder had not even sent its request before
+measurement (the pair harness checks that B has been sent nothing before A
+releases). A gap where the next holder had not even sent its request before
 the release is an idle lock, not a handoff: it is counted and reported, never
 mixed in. Warm-up cycles are discarded; percentiles are nearest-rank.
 
@@ -26,18 +54,26 @@ alternation or an unexpected message aborts the run, and the targets are only
 reported beside the figures. It never touches a real GPU or
 a system daemon: it starts its own on a temporary socket and removes it.
 
-    .venv/bin/python bench/handoff.py [--json] [--rounds R] [--warmup W] [--hold-us US]
+    .venv/bin/python bench/handoff.py [--json] [--rounds R] [--warmup W] [--hold-us US] [--blocks B]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing as mp
 import os
+import select
+import selectors
+import shutil
+import socket
 import sys
+import tempfile
 import time
+from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from multiprocessing.synchronize import Barrier
@@ -52,8 +88,16 @@ from percentiles import percentile  # bench/, on the path when run as a script
 # (t_request, t_grant, t_release, t_released), monotonic ns; plain ints so they pickle anywhere.
 Cycle = tuple[int, int, int, int]
 
-TARGETS = {"handoff_us_p50": 150.0, "handoff_us_p99": 2000.0, "p50_growth_64": 2.0}
+TARGETS = {
+    "handoff_us_p50": 150.0, "handoff_us_p99": 2000.0, "p50_growth_64": 2.0,
+    # gpud over the floor in each harness and placement, and the daemon's CPU per uncontended cycle
+    **{f"{harness}_ratio_p{pct}": 3.0 for harness in ("handoff", "pair_handoff", "pair_two_cpus_handoff")
+       for pct in (50, 99)},
+    "daemon_cpu_us_per_cycle": 40.0, "daemon_cpu_us_per_cycle_two_cpus": 40.0,
+}
 MANY = 64
+QUEUED_NS = 200_000  # pair harness: B asks this long before A releases
+PAIR_BLOCK = 100  # pair harness: iterations on one server before switching to the other
 RECV_TIMEOUT_S = 30.0  # a worker that hears nothing this long means the daemon is stuck
 START_TIMEOUT_S = 120.0
 
@@ -63,6 +107,7 @@ class BenchConfig:
     rounds: int = 5000
     warmup: int = 200
     hold_us: int = 300
+    blocks: int = 4  # processes harness: alternating gpud / floor blocks
 
 
 class MeasurementError(Exception):
@@ -111,18 +156,239 @@ def _run_cycles(conn: Connection, session: int, cycles: int, hold_ns: int) -> li
     return marks
 
 
+def _greet(conn: Connection, name: str) -> int:
+    conn.hello(name)
+    attached: p.Attached = conn.call(p.Attach(id=conn.next_id(), gpu=0))
+    return attached.session
+
+
 def lock_worker(path: str, name: str, cycles: int, hold_ns: int, start: Barrier, out: Pipe) -> None:
     """One client process: attach to GPU 0, wait for the others, cycle, report."""
-    conn = Connection(path)
-    try:
-        conn.hello(name)
-        attached: p.Attached = conn.call(p.Attach(id=conn.next_id(), gpu=0))
+    with Connection(path) as conn:
+        session = _greet(conn, name)
         start.wait(START_TIMEOUT_S)
-        marks = _run_cycles(conn, attached.session, cycles, hold_ns)
-    finally:
-        conn.close()
+        marks = _run_cycles(conn, session, cycles, hold_ns)
     out.send(marks)
     out.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process so far (resolution: one clock tick, 10 ms on Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Pair:
+    """The issue's harness on one server: two connections A and B of one client process."""
+
+    def __init__(self, stack: ExitStack, path: str) -> None:
+        self.a, self.b = stack.enter_context(Connection(path)), stack.enter_context(Connection(path))
+        self.sa, self.sb = _greet(self.a, "pair-a"), _greet(self.b, "pair-b")
+
+    def cycle_ns(self) -> int:
+        """A alone: LOCK_REQUEST sent -> LOCK_OK read -> LOCK_RELEASED sent."""
+        a, sa = self.a, self.sa
+        t_request = time.monotonic_ns()
+        a.send(p.LockRequest(id=a.next_id(), session=sa))
+        grant = _wait_grant(a, sa)
+        a.send(p.LockReleased(id=a.next_id(), session=sa, grant=grant))
+        return time.monotonic_ns() - t_request
+
+    def handoff_ns(self) -> int:
+        """A holds, B asks, QUEUED_NS later A releases: A's LOCK_RELEASED send -> B's LOCK_OK read."""
+        a, sa, b, sb = self.a, self.sa, self.b, self.sb
+        a.send(p.LockRequest(id=a.next_id(), session=sa))
+        grant_a = _wait_grant(a, sa)
+        b.send(p.LockRequest(id=b.next_id(), session=sb))
+        _hold_until(time.monotonic_ns() + QUEUED_NS)
+        if select.select([b.sock], [], [], 0)[0]:  # B is sent nothing but its LOCK_OK
+            raise MeasurementError("B was sent something while A still held the lock: not a serial lock")
+        t_release = time.monotonic_ns()
+        a.send(p.LockReleased(id=a.next_id(), session=sa, grant=grant_a))
+        grant_b = _wait_grant(b, sb)
+        t_grant = time.monotonic_ns()
+        b.send(p.LockReleased(id=b.next_id(), session=sb, grant=grant_b))
+        return t_grant - t_release
+
+
+def pair_worker(servers: list[tuple[str, int]], cpus: set[int], rounds: int, warmup: int, out: Pipe) -> None:
+    """One process on ``cpus``, two connections to each server. First each server's CPU over
+    ``warmup + rounds`` cycles alone, one server after the other; then cycles, then handoffs, in
+    blocks of PAIR_BLOCK alternating between the servers after a warm-up on each, so both see the
+    same host."""
+    os.sched_setaffinity(0, cpus)
+    results: list[dict[str, Any]] = [{"cycle_ns": [], "handoff_ns": []} for _ in servers]
+    with ExitStack() as stack:
+        pairs = [Pair(stack, path) for path, _ in servers]
+        for result, pair, (_, pid) in zip(results, pairs, servers):
+            before = cpu_seconds(pid)
+            for _ in range(warmup + rounds):
+                pair.cycle_ns()
+            result["cpu_s"], result["cpu_cycles"] = cpu_seconds(pid) - before, warmup + rounds
+        for kind, step in (("cycle_ns", Pair.cycle_ns), ("handoff_ns", Pair.handoff_ns)):
+            for pair in pairs:
+                for _ in range(warmup):
+                    step(pair)
+            for block in split(rounds, math.ceil(rounds / PAIR_BLOCK)):
+                for result, pair in zip(results, pairs):
+                    result[kind] += [step(pair) for _ in range(block)]
+    out.send(results)
+    out.close()
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def placements() -> dict[str, tuple[set[int], set[int]]]:
+    """(the client's CPUs, the server's CPUs): one CPU for both (the server runs when the client waits,
+    no wake-up crosses CPUs: the software's cost), or one each (every message wakes the other CPU).
+    Left to the kernel, a client and a server land either way and stay there for seconds; on this VM
+    that alone moves a round trip between ~12 and ~70 us, so the figures compared are pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    out = {"pair": ({cpus[0]}, {cpus[0]})}
+    if len(cpus) > 1:
+        out["pair_two_cpus"] = ({cpus[0]}, {cpus[1]})
+    return out
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` blocks as equal as can be, the larger first."""
+    size, extra = divmod(total, parts)
+    return [size + (i < extra) for i in range(parts)]
+
+
+# --- the floor: a minimal relay (its own process) --------------------------------
+
+
+class _Peer:
+    __slots__ = ("sock", "frames", "unsent", "sessions")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = p.FrameDecoder()
+        self.unsent = b""
+        self.sessions: list[int] = []
+
+
+class Relay:
+    """What any Python daemon must pay for a socket round trip and a decode/encode: selectors on
+    non-blocking Unix sockets, gpud's framing and typed codec, one FIFO of waiters and one holder.
+    Nothing else: no checks beyond decoding, no errors, no metrics, no logs."""
+
+    def __init__(self, path: str) -> None:
+        self.codec = p.daemon_codec()
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.owner: dict[int, _Peer] = {}
+        self.waiting: deque[int] = deque()
+        self.holder: int | None = None
+        self.ids = itertools.count(1)  # sessions, client ids and grants alike
+
+    def serve_forever(self) -> None:
+        while True:
+            for key, events in self.sel.select():
+                peer = key.data
+                if peer is None:
+                    sock, _ = self.listener.accept()
+                    sock.setblocking(False)
+                    self.sel.register(sock, selectors.EVENT_READ, _Peer(sock))
+                    continue
+                if events & selectors.EVENT_WRITE:
+                    self._flush(peer)
+                if events & selectors.EVENT_READ:
+                    self._read(peer)
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(peer)
+            return
+        for payload in peer.frames.feed(data):
+            self._handle(peer, self.codec.decode(payload))
+
+    def _handle(self, peer: _Peer, msg: Any) -> None:
+        match msg:
+            case p.LockRequest(session=sid):
+                if self.holder is None:
+                    self._grant(sid)
+                else:
+                    self.waiting.append(sid)
+            case p.LockReleased(session=sid) if sid == self.holder:
+                self.holder = None
+                if self.waiting:
+                    self._grant(self.waiting.popleft())
+            case p.Hello(id=rid):
+                gpu = p.GpuInfo(index=0, uuid="relay-0", name="floor relay", memory_total_bytes=0, simulated=True,
+                                scheduler_on=True)
+                self._send(peer, p.Welcome(id=rid, client_id=next(self.ids), version=p.PROTOCOL_VERSION, gpus=[gpu]))
+            case p.Attach(id=rid):
+                sid = next(self.ids)
+                self.owner[sid] = peer
+                peer.sessions.append(sid)
+                self._send(peer, p.Attached(id=rid, session=sid, gpu=0, scheduler_on=True, core_limit=100,
+                                            mem_limit=None, memory_total_bytes=0))
+
+    def _grant(self, sid: int) -> None:
+        self.holder = sid
+        self._send(self.owner[sid], p.LockOk(session=sid, grant=next(self.ids)))
+
+    def _send(self, peer: _Peer, msg: Any) -> None:
+        data = self.codec.encode(msg)
+        if not peer.unsent:
+            try:
+                sent = peer.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                return  # gone: its read sees the end
+            if sent == len(data):
+                return
+            data = data[sent:]
+            self.sel.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+        peer.unsent += data
+
+    def _flush(self, peer: _Peer) -> None:
+        try:
+            sent = peer.sock.send(peer.unsent)
+        except BlockingIOError:
+            return
+        except OSError:
+            sent = len(peer.unsent)
+        peer.unsent = peer.unsent[sent:]
+        if not peer.unsent:
+            self.sel.modify(peer.sock, selectors.EVENT_READ, peer)
+
+    def _close(self, peer: _Peer) -> None:
+        self.sel.unregister(peer.sock)
+        peer.sock.close()
+        gone = set(peer.sessions)
+        for sid in gone:
+            del self.owner[sid]
+        self.waiting = deque(sid for sid in self.waiting if sid not in gone)
+        if self.holder in gone:
+            self.holder = None
+            if self.waiting:
+                self._grant(self.waiting.popleft())
+
+
+def relay_main(path: str, ready: Pipe) -> None:
+    relay = Relay(path)
+    ready.send(os.getpid())
+    ready.close()
+    relay.serve_forever()
 
 
 # --- parent side ---------------------------------------------------------------
@@ -151,9 +417,9 @@ def run_clients(ctx: Any, path: str, *, clients: int, cycles: int, hold_ns: int)
                 proc.join()
 
 
-def _collect(pipe: Pipe, proc: Any) -> list[Cycle]:
+def _collect(pipe: Pipe, proc: Any) -> Any:
     try:
-        marks: list[Cycle] = pipe.recv()
+        marks = pipe.recv()
     except EOFError:
         raise RuntimeError(f"worker {proc.name} died without results (its traceback is above)") from None
     finally:
@@ -199,39 +465,130 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def cycle_figures(ctx: Any, path: str, cfg: BenchConfig) -> dict[str, float]:
-    _progress(f"uncontended: 1 client, {cfg.warmup} warm-up + {cfg.rounds} cycles")
-    [alone] = run_clients(ctx, path, clients=1, cycles=cfg.warmup + cfg.rounds, hold_ns=0)
-    cycle = uncontended_cycles_us(alone, cfg.warmup)
-    return {"uncontended_cycle_us_p50": percentile(cycle, 50), "uncontended_cycle_us_p99": percentile(cycle, 99)}
+@dataclass(frozen=True)
+class Server:
+    """What a harness runs against: gpud or the floor relay."""
+
+    path: str
+    pid: int
 
 
-def handoff_figures(ctx: Any, path: str, cfg: BenchConfig, *, clients: int, prefix: str) -> dict[str, float]:
+def cycle_figures(ctx: Any, path: str, cfg: BenchConfig, *, rounds: int) -> list[float]:
+    [alone] = run_clients(ctx, path, clients=1, cycles=cfg.warmup + rounds, hold_ns=0)
+    return uncontended_cycles_us(alone, cfg.warmup)
+
+
+def handoff_figures(ctx: Any, path: str, cfg: BenchConfig, *, clients: int, rounds: int) -> tuple[list[float], int]:
     # Enough holds for warm-up plus `rounds` gaps between consecutive holds.
-    per_client = math.ceil((cfg.warmup + cfg.rounds + 1) / clients)
-    _progress(f"handoff: {clients} clients x {per_client} cycles, hold {cfg.hold_us} us")
+    per_client = math.ceil((cfg.warmup + rounds + 1) / clients)
     marks = run_clients(ctx, path, clients=clients, cycles=per_client, hold_ns=cfg.hold_us * 1000)
-    samples, idle = handoffs_us(serial_holds(marks, cfg.warmup)[: cfg.rounds + 1])
+    return handoffs_us(serial_holds(marks, cfg.warmup)[: rounds + 1])
+
+
+def _percentiles(prefix: str, samples: list[float]) -> dict[str, float]:
+    return {f"{prefix}_us_p50": percentile(samples, 50), f"{prefix}_us_p99": percentile(samples, 99)}
+
+
+def processes_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -> dict[str, float]:
+    """The cycle and the 2-client handoff on gpud and on the floor, in ``cfg.blocks`` alternating
+    blocks (each after its own warm-up), so that both see the same host; the samples are merged."""
+    cycles: dict[str, list[float]] = {"gpud": [], "floor": []}
+    handoffs: dict[str, list[float]] = {"gpud": [], "floor": []}
+    idle = {"gpud": 0, "floor": 0}
+    for i, rounds in enumerate(split(cfg.rounds, cfg.blocks)):
+        for name, server in (("gpud", gpud), ("floor", floor)):
+            _progress(f"processes harness, {name}, block {i + 1}/{cfg.blocks}: 1 client x {cfg.warmup} + {rounds} "
+                      f"cycles, then 2 clients, {rounds} handoffs after {cfg.warmup}, hold {cfg.hold_us} us")
+            cycles[name] += cycle_figures(ctx, server.path, cfg, rounds=rounds)
+            samples, gaps = handoff_figures(ctx, server.path, cfg, clients=2, rounds=rounds)
+            handoffs[name] += samples
+            idle[name] += gaps
     return {
-        f"{prefix}_us_p50": percentile(samples, 50),
-        f"{prefix}_us_p99": percentile(samples, 99),
-        f"{prefix}_samples": len(samples),
-        f"{prefix}_idle": idle,
+        **_percentiles("uncontended_cycle", cycles["gpud"]), **_percentiles("floor_cycle", cycles["floor"]),
+        **_percentiles("handoff", handoffs["gpud"]), **_percentiles("floor_handoff", handoffs["floor"]),
+        "handoff_samples": len(handoffs["gpud"]), "handoff_idle": idle["gpud"],
+        "floor_handoff_samples": len(handoffs["floor"]), "floor_handoff_idle": idle["floor"],
     }
 
 
-def measure(path: str, cfg: BenchConfig) -> dict[str, float]:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gpud_client.connection"])
-    figures = cycle_figures(ctx, path, cfg)
-    figures |= handoff_figures(ctx, path, cfg, clients=2, prefix="handoff")
-    figures |= handoff_figures(ctx, path, cfg, clients=MANY, prefix=f"handoff{MANY}")
-    figures["p50_growth_64"] = figures[f"handoff{MANY}_us_p50"] / figures["handoff_us_p50"]
+def many_figures(ctx: Any, gpud: Server, cfg: BenchConfig) -> dict[str, float]:
+    _progress(f"processes harness, gpud: {MANY} clients, {cfg.rounds} handoffs after {cfg.warmup}")
+    samples, idle = handoff_figures(ctx, gpud.path, cfg, clients=MANY, rounds=cfg.rounds)
+    return {**_percentiles(f"handoff{MANY}", samples), f"handoff{MANY}_samples": len(samples),
+            f"handoff{MANY}_idle": idle}
+
+
+def pair_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig, *, prefix: str,
+                 cpus: tuple[set[int], set[int]]) -> dict[str, float]:
+    """The issue's harness on both servers in one client process (see ``pair_worker``), pinned."""
+    client, server = cpus
+    _progress(f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
+              f"to each; {cfg.warmup} + {cfg.rounds} cycles each for CPU, then cycles and handoffs (B queued "
+              f"{QUEUED_NS // 1000} us before) in alternating blocks")
+    everywhere = os.sched_getaffinity(0)
+    ours, theirs = ctx.Pipe(duplex=False)
+    args = ([(gpud.path, gpud.pid), (floor.path, floor.pid)], client, cfg.rounds, cfg.warmup, theirs)
+    proc = ctx.Process(target=pair_worker, args=args, name=prefix, daemon=True)
+    try:
+        for s in (gpud, floor):
+            pin(s.pid, server)
+        proc.start()
+        theirs.close()
+        results = _collect(ours, proc)
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
+        for s in (gpud, floor):
+            pin(s.pid, everywhere)
+    suffix = prefix.removeprefix("pair")
+    figures: dict[str, float] = {}
+    for name, cpu_key, r in ((prefix, f"daemon_cpu_us_per_cycle{suffix}", results[0]),
+                             (f"floor_{prefix}", f"floor_cpu_us_per_cycle{suffix}", results[1])):
+        figures |= _percentiles(f"{name}_cycle", [ns / 1000 for ns in r["cycle_ns"]])
+        figures |= _percentiles(f"{name}_handoff", [ns / 1000 for ns in r["handoff_ns"]])
+        figures[cpu_key] = r["cpu_s"] / r["cpu_cycles"] * 1e6
+    figures["cpu_cycles"] = results[0]["cpu_cycles"]
+    for kind in ("cycle", "handoff"):
+        for pct in (50, 99):
+            figures[f"{prefix}_{kind}_ratio_p{pct}"] = (
+                figures[f"{prefix}_{kind}_us_p{pct}"] / figures[f"floor_{prefix}_{kind}_us_p{pct}"])
     return figures
 
 
+def measure(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -> dict[str, float]:
+    figures = processes_figures(ctx, gpud, floor, cfg)
+    figures |= many_figures(ctx, gpud, cfg)
+    for prefix, cpus in placements().items():
+        figures |= pair_figures(ctx, gpud, floor, cfg, prefix=prefix, cpus=cpus)
+    figures["p50_growth_64"] = figures[f"handoff{MANY}_us_p50"] / figures["handoff_us_p50"]
+    for kind, gpud_key, floor_key in (("handoff", "handoff", "floor_handoff"), ("cycle", "uncontended_cycle",
+                                                                               "floor_cycle")):
+        for pct in (50, 99):
+            figures[f"{kind}_ratio_p{pct}"] = figures[f"{gpud_key}_us_p{pct}"] / figures[f"{floor_key}_us_p{pct}"]
+    return figures
+
+
+HARNESSES = {
+    "processes": "one OS process per client, each holding ~hold_us busy and asking again at once, placed by the "
+                 "kernel; the cycle and the 2-client handoff run on gpud and the floor in `blocks` alternating "
+                 "blocks, each after its own warm-up; keys uncontended_cycle_*, handoff_*, floor_cycle_*, "
+                 "floor_handoff_*, cycle_ratio_*, handoff_ratio_*, and handoff64_* (gpud only, one run)",
+    "pair": "the issue's: one client process, two connections per server; a cycle is A alone, a handoff is A "
+            "holding, B asking, 200 us later A releasing (A's LOCK_RELEASED send -> B's LOCK_OK read); cycles then "
+            "handoffs in blocks of `pair_block` alternating between the servers. pair_* and floor_pair_*: client "
+            "and servers pinned to one CPU; pair_two_cpus_* and floor_pair_two_cpus_*: the client on one CPU, the "
+            "servers on the other",
+    "cpu": "daemon_cpu_us_per_cycle / floor_cpu_us_per_cycle (_two_cpus): utime + stime (/proc/PID/stat, 10 ms "
+           "ticks) over `cpu_cycles` pair-harness cycles on that server alone, contiguous, before its latency blocks",
+    "floor": "a minimal Python relay in its own process: selectors, gpud's framing and typed codec, "
+             "one FIFO and one holder, nothing else",
+}
+
+
 def report(figures: dict[str, float], cfg: BenchConfig, *, load: float, elapsed_s: float) -> dict[str, Any]:
-    met = {key: figures[key] <= limit for key, limit in TARGETS.items()}
+    met = {key: figures[key] <= limit for key, limit in TARGETS.items() if key in figures}
     us = {key: round(value, 1) for key, value in figures.items() if "_us_" in key}
     return {
         "uncontended_cycle_us_p50": us["uncontended_cycle_us_p50"],
@@ -245,16 +602,31 @@ def report(figures: dict[str, float], cfg: BenchConfig, *, load: float, elapsed_
         f"clients{MANY}": MANY,
         "p50_growth_64": round(figures["p50_growth_64"], 2),
         # Gaps where the next holder had not asked yet: no handoff, left out.
-        "idle_gaps": {"handoff": figures["handoff_idle"], f"handoff{MANY}": figures[f"handoff{MANY}_idle"]},
-        "samples": {"handoff": figures["handoff_samples"], f"handoff{MANY}": figures[f"handoff{MANY}_samples"]},
+        "idle_gaps": {k: figures[f"{k}_idle"] for k in ("handoff", f"handoff{MANY}", "floor_handoff")},
+        "samples": {k: figures[f"{k}_samples"] for k in ("handoff", f"handoff{MANY}", "floor_handoff")},
         "hold_us": cfg.hold_us,
         "warmup": cfg.warmup,
+        **{k: v for k, v in us.items() if k.startswith(("floor_", "pair_", "daemon_cpu"))},
+        **{k: round(v, 2) for k, v in figures.items() if k.endswith(("_ratio_p50", "_ratio_p99"))},
+        "pair_queued_us": QUEUED_NS // 1000,
+        "blocks": cfg.blocks,
+        "pair_block": PAIR_BLOCK,
+        "cpu_cycles": figures["cpu_cycles"],
+        "placements": {k: {"client_cpus": sorted(c), "server_cpus": sorted(s)} for k, (c, s) in placements().items()},
+        "harnesses": HARNESSES,
         "cpus": os.cpu_count(),
         "loadavg_1m_before": round(load, 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "elapsed_s": round(elapsed_s, 1),
         "targets": TARGETS,
         "met": met,
     }
+
+
+def _met_cell(result: dict[str, Any], key: str, unit: str) -> tuple[str, str]:
+    if key not in result["met"]:
+        return "", ""
+    return f"<= {TARGETS[key]:g} {unit}", "yes" if result["met"][key] else "NO"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -269,8 +641,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     lines = [f"{'figure':<26}{'measured':>12}{'target':>12}  met"]
     for label, key, unit in rows:
-        target = f"<= {TARGETS[key]:g} {unit}" if key in TARGETS else ""
-        met = ("yes" if result["met"][key] else "NO") if key in TARGETS else ""
+        target, met = _met_cell(result, key, unit)
         digits = 1 if unit == "us" else 2
         lines.append(f"{label:<26}{result[key]:>9.{digits}f} {unit:<2}{target:>12}  {met}".rstrip())
     idle, samples = result["idle_gaps"], result["samples"]
@@ -279,8 +650,30 @@ def table(result: dict[str, Any]) -> str:
         f"handoff samples {samples['handoff']} / {samples[f'handoff{MANY}']} "
         f"(idle gaps left out: {idle['handoff']} / {idle[f'handoff{MANY}']})"
     )
+    lines += ["", "gpud against the floor (a minimal Python relay), same run, same client code (us)",
+              f"{'harness':<16}{'figure':<14}{'gpud':>9}{'floor':>9}{'ratio':>8}{'target':>10}  met"]
+    compared = [("processes", "uncontended_cycle", "floor_cycle", "cycle", "cycle"),
+                ("processes", "handoff", "floor_handoff", "handoff", "handoff, 2")]
+    compared += [(f"pair, {'1 CPU' if name == 'pair' else '2 CPUs'}", f"{name}_{kind}", f"floor_{name}_{kind}",
+                  f"{name}_{kind}", kind) for name in placements() for kind in ("cycle", "handoff")]
+    for harness, gpud, floor, ratio, label in compared:
+        for pct in (50, 99):
+            key = f"{ratio}_ratio_p{pct}"
+            target, met = _met_cell(result, key, "x")
+            lines.append(f"{harness:<16}{label + f' p{pct}':<14}{result[f'{gpud}_us_p{pct}']:>9.1f}"
+                         f"{result[f'{floor}_us_p{pct}']:>9.1f}{result[key]:>7.2f}x{target:>10}  {met}".rstrip())
+    for suffix, where in (("", "1 CPU"), ("_two_cpus", "2 CPUs")):
+        key = f"daemon_cpu_us_per_cycle{suffix}"
+        if key in result:
+            target, met = _met_cell(result, key, "us")
+            lines.append(f"daemon CPU per uncontended cycle (pair, {where}): {result[key]:.1f} us (the floor's: "
+                         f"{result[f'floor_cpu_us_per_cycle{suffix}']:.1f} us), target {target}: {met}")
+    lines.append(f"processes: one OS process per client, placed by the kernel, {result['blocks']} alternating blocks "
+                 f"per server; pair: one process, two connections per server, B queued {result['pair_queued_us']} "
+                 f"us before A releases, blocks of {result['pair_block']}; CPU over {result['cpu_cycles']} cycles")
     lines.append(
-        f"{result['cpus']} CPUs, load {result['loadavg_1m_before']} before the run, took {result['elapsed_s']} s"
+        f"{result['cpus']} CPUs, load {result['loadavg_1m_before']} before the run, "
+        f"{result['loadavg_1m_after']} after, took {result['elapsed_s']} s"
     )
     return "\n".join(lines)
 
@@ -291,21 +684,49 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     ap.add_argument("--rounds", type=int, default=BenchConfig.rounds, help="measured samples per figure")
     ap.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="samples discarded first")
     ap.add_argument("--hold-us", type=int, default=BenchConfig.hold_us, help="spin time holding the lock")
+    ap.add_argument("--blocks", type=int, default=BenchConfig.blocks,
+                    help="alternating gpud / floor blocks in the processes harness")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.hold_us < 0:
-        ap.error("--rounds must be >= 1, --warmup and --hold-us >= 0")
-    return BenchConfig(rounds=args.rounds, warmup=args.warmup, hold_us=args.hold_us), args.json
+    if args.blocks < 1 or args.rounds < args.blocks or args.warmup < 0 or args.hold_us < 0:
+        ap.error("--blocks must be >= 1, --rounds >= --blocks, --warmup and --hold-us >= 0")
+    cfg = BenchConfig(rounds=args.rounds, warmup=args.warmup, hold_us=args.hold_us, blocks=args.blocks)
+    return cfg, args.json
+
+
+def start_relay(ctx: Any, workdir: str) -> tuple[Any, Server]:
+    """The floor relay in its own process, listening in ``workdir`` once this returns."""
+    path = os.path.join(workdir, "relay.sock")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=relay_main, args=(path, theirs), name="floor-relay", daemon=True)
+    proc.start()
+    theirs.close()
+    if not ours.poll(START_TIMEOUT_S):
+        proc.terminate()
+        raise RuntimeError("the floor relay did not start (its traceback is above)")
+    pid: int = ours.recv()
+    ours.close()
+    return proc, Server(path, pid)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
     load, began = os.getloadavg()[0], time.monotonic()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["gpud_client.connection"])
     daemon = DaemonProcess("--simulate", "1", "--log-level", "warning").start()
+    workdir = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # short: socket paths are limited to ~108 bytes
+    relay = None
     try:
-        figures = measure(daemon.socket, cfg)
+        relay, floor = start_relay(ctx, workdir)
+        assert daemon.proc is not None
+        figures = measure(ctx, Server(daemon.socket, daemon.proc.pid), floor, cfg)
         complaints = daemon.log().strip()
     finally:
         daemon.cleanup()
+        if relay is not None:
+            relay.terminate()
+            relay.join()
+        shutil.rmtree(workdir, ignore_errors=True)
     if complaints:
         _progress(f"the daemon logged warnings during the run:\n{complaints}")
     result = report(figures, cfg, load=load, elapsed_s=time.monotonic() - began)

@@ -1,0 +1,82 @@
+"""The pure helpers of bench/scale.py and bench/handoff.py: the daemon's TOML, blocks, sizes, placements.
+
+bench/ is no package: the modules are loaded from their files, with bench/ on
+sys.path for their own imports (scale imports handoff and percentiles).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gpud import config
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def scale(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCH))
+    _load("handoff", monkeypatch)
+    return _load("scale", monkeypatch)
+
+
+def test_the_daemon_config_is_one_gpud_accepts_with_the_caps_and_policies_asked(
+    scale: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "gpud.toml"
+    path.write_text(scale.daemon_toml(per_connection=1000, queued=10_000))
+    cfg = config.build(config.read_file(str(path)), {}, {})
+    assert cfg.max_sessions_per_connection == 1000
+    policies = cfg.lease_policies()
+    assert policies["SCALE_WAIT"].max_wait_ms == scale.DAY_MS
+    assert policies["SCALE_WAIT"].queue_limit == 10_000
+    assert policies["SCALE_HOLD"].hold_max_ms == scale.DAY_MS
+    assert cfg.max_connections == config.Config().max_connections  # nothing else raised
+
+
+def test_chunks_cover_the_total_in_blocks_of_at_most_size(scale: ModuleType) -> None:
+    assert scale.chunks(2500, 1000) == [1000, 1000, 500]
+    assert scale.chunks(10, 1000) == [10]
+    assert scale.chunks(3000, 200) == [200] * 15
+    assert scale.chunks(0, 1000) == []
+
+
+def test_split_makes_equal_parts_the_larger_first(scale: ModuleType) -> None:
+    handoff = sys.modules["handoff"]
+    assert handoff.split(10, 3) == [4, 3, 3]
+    assert handoff.split(5000, 4) == [1250] * 4
+    assert sum(handoff.split(5001, 51)) == 5001
+
+
+def test_sizes_must_be_positive_and_ascending(scale: ModuleType) -> None:
+    assert scale.parse_sizes("10,1000,10000") == (10, 1000, 10_000)
+    for bad in ("1000,10", "10,10", "0,10", "10,x"):
+        with pytest.raises(ValueError):
+            scale.parse_sizes(bad)
+
+
+def test_placements_name_the_cpus_of_the_bench_and_the_daemons(scale: ModuleType) -> None:
+    assert scale.placement_cpus("one-cpu", [2, 5]) == ({2}, {2})
+    assert scale.placement_cpus("two-cpus", [2, 5]) == ({2}, {5})
+    assert scale.placement_cpus("free", [2, 5]) is None
+    with pytest.raises(ValueError, match="two-cpus"):
+        scale.placement_cpus("two-cpus", [0])
+
+
+def test_growth_is_the_later_figure_over_the_base(scale: ModuleType) -> None:
+    figures = {"lock_us_p50_10": 50.0, "lock_us_p50_10000": 60.0}
+    assert scale.growth(figures, "lock_us_p50_10", "lock_us_p50_10000") == pytest.approx(1.2)
