@@ -64,6 +64,7 @@ class ComputeAccounts:
         self._acc: dict[int, Account] = {}
         self._limited_sum = 0
         self._limited: set[int] = set()  # accounts with a limit below 100: the only ones with budgets
+        self._running: dict[int, Account] = {}  # billed now: a few, however many accounts there are
 
     # --- membership and state changes (each settles first) -------------------
 
@@ -77,6 +78,7 @@ class ComputeAccounts:
         self.settle(now)
         limited = sid in self._limited
         del self._acc[sid]
+        self._running.pop(sid, None)
         if limited:
             self._resum()
 
@@ -90,11 +92,13 @@ class ComputeAccounts:
         self.settle(now)
         a = self._acc[sid]
         a.running, a.tail = True, False
+        self._running[sid] = a
 
     def stop(self, sid: int, now: int) -> None:
         self.settle(now)
         a = self._acc[sid]
         a.running, a.tail = False, False
+        self._running.pop(sid, None)
 
     def begin_tail(self, sid: int, now: int) -> None:
         self.settle(now)
@@ -123,7 +127,7 @@ class ComputeAccounts:
             self._reset_window()
             self.window_start = end
             rolled = True
-            if not any(a.running or a.used_ns for a in self._acc.values()):
+            if not self._running and not any(a.used_ns for a in self._acc.values()):
                 # idle, nothing carried: the windows in between held no use
                 skipped = (now - self.window_start) // W
                 for a in self._acc.values():
@@ -137,9 +141,9 @@ class ComputeAccounts:
         self._last = t
         if elapsed <= 0:
             return
-        running = [a for a in self._acc.values() if a.running]
+        running = self._running
         k = len(running)
-        for a in running:
+        for a in running.values():
             pct = self.cfg.drop_tail_billing_percent if a.tail else 100
             a.used_ns += elapsed * 10 * pct // k  # elapsed us * 1000 ns * pct / 100 / k
 
@@ -208,7 +212,7 @@ class ComputeAccounts:
             return None  # nothing has a budget: nothing to watch
         times: list[int] = []
         window_end = self.window_start + self.cfg.window_us
-        k = sum(1 for a in self._acc.values() if a.running)
+        k = len(self._running)
         for sid in self._limited:
             a = self._acc[sid]
             budget = self.budget_ns(sid)
