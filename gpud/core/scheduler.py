@@ -50,6 +50,7 @@ never reads a clock, sleeps, logs, or touches a socket.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -167,6 +168,7 @@ class _Session:
     mem_over: bool = False
     lease: bool = False
     wait_deadline: int | None = None  # a waiting lease's max_wait
+    queue_key: tuple[int, int, int] | None = None  # its entry in the queue while waiting
     hold_max_us: int | None = None  # a lease's watchdog
     overdue: bool = False
     state: SessionState = "idle"
@@ -200,6 +202,9 @@ class GpuScheduler:
         self._sessions: dict[int, _Session] = {}
         self._running: dict[int, _Session] = {}  # insertion order = grant order
         self._queue: list[tuple[int, int, int]] = []  # (-priority, seq, session)
+        # (wait deadline, seq, session) of waiting leases; an entry whose seq is no longer the
+        # session's queue entry is stale and skipped: expiry and the next deadline cost O(log n)
+        self._waits: list[tuple[int, int, int]] = []
         self._seq = itertools.count()
         self._grant_seq = itertools.count(1)
         self._grants = 0
@@ -247,7 +252,7 @@ class GpuScheduler:
             raise LimitReached("max_lock_queue", f"{len(self._queue)} requests already wait for this GPU, the most allowed")
         s.state = "waiting"
         s.requested_at = now
-        bisect.insort(self._queue, (-s.priority, next(self._seq), s.id))
+        self._enqueue(s, s.priority)
         return self._settle(now)
 
     def release(self, session: int, now: int, *, grant: int | None = None) -> list[Effect]:
@@ -283,7 +288,7 @@ class GpuScheduler:
         self._sessions[lease] = s
         self._acc.add(lease, 100, now)  # billed like any holder, no limit of its own
         s.state, s.requested_at, s.wait_deadline = "waiting", now, now + max_wait_us
-        bisect.insort(self._queue, (-priority, next(self._seq), lease))
+        self._enqueue(s, priority)
         return effects + self._settle(now)
 
     def release_lease(self, lease: int, now: int) -> list[Effect]:
@@ -390,10 +395,8 @@ class GpuScheduler:
                     times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
                 elif blocked and not s.tq_dropped:
                     times.append(s.granted_at + self._cfg.tq_us)
-        for _, _, sid in self._queue:  # off, a lease still waits during the restart grace
-            deadline = self._sessions[sid].wait_deadline
-            if deadline is not None:
-                times.append(deadline)
+        if (first_wait := self._first_wait()) is not None:  # off, a lease still waits during the restart grace
+            times.append(first_wait[0])
         if self._grants_from is not None and self._queue:
             times.append(self._grants_from)
         quota = self._acc.next_deadline()
@@ -575,20 +578,49 @@ class GpuScheduler:
 
     def _expire_waits(self, now: int, effects: list[Effect]) -> bool:
         expired = False
-        for _, _, sid in list(self._queue):
-            s = self._sessions[sid]
-            if s.wait_deadline is not None and now >= s.wait_deadline:
-                effects.append(LeaseDenied(sid, LeaseReason.TIMEOUT))
-                self._forget(s, now)
-                expired = True
+        while (first := self._first_wait()) is not None and now >= first[0]:
+            s = self._sessions[first[2]]
+            effects.append(LeaseDenied(s.id, LeaseReason.TIMEOUT))
+            self._forget(s, now)
+            expired = True
         return expired
+
+    def _enqueue(self, s: _Session, priority: int) -> None:
+        s.queue_key = key = (-priority, next(self._seq), s.id)
+        bisect.insort(self._queue, key)
+        if s.wait_deadline is not None:
+            heapq.heappush(self._waits, (s.wait_deadline, key[1], s.id))
+            if len(self._waits) > 2 * len(self._queue) + 64:  # granted leases' entries: rebuilt, amortized O(1)
+                self._waits = [w for w in self._waits if self._waiting_entry(w)]
+                heapq.heapify(self._waits)
+
+    def _dequeue(self, s: _Session) -> None:
+        key, s.queue_key = s.queue_key, None
+        i = bisect.bisect_left(self._queue, key) if key is not None else len(self._queue)
+        if i < len(self._queue) and self._queue[i] == key:
+            del self._queue[i]
+        else:  # never: every waiting session has its key in the queue (check() says so if not)
+            self._queue = [e for e in self._queue if e[2] != s.id]
+
+    def _first_wait(self) -> tuple[int, int, int] | None:
+        """The earliest wait deadline of a lease still waiting; stale entries are dropped on the way."""
+        waits = self._waits
+        while waits:
+            if self._waiting_entry(waits[0]):
+                return waits[0]
+            heapq.heappop(waits)
+        return None
+
+    def _waiting_entry(self, entry: tuple[int, int, int]) -> bool:
+        s = self._sessions.get(entry[2])
+        return s is not None and s.state == "waiting" and s.queue_key is not None and s.queue_key[1] == entry[1]
 
     def _forget(self, s: _Session, now: int) -> None:
         """Out of the running set or the queue, and out of the accounts."""
         if s.state == "holding":
             self._end_hold(s, now)
         elif s.state == "waiting":
-            self._queue = [e for e in self._queue if e[2] != s.id]
+            self._dequeue(s)
         del self._sessions[s.id]
         self._acc.remove(s.id, now)
 
@@ -643,7 +675,7 @@ class GpuScheduler:
             if not self._fits(s):
                 self._preempt_for(s, now, effects)
                 return
-            self._queue = [e for e in self._queue if e[2] != s.id]
+            self._dequeue(s)
             s.state = "holding"
             s.grant = next(self._grant_seq)
             s.granted_at = now

@@ -175,3 +175,15 @@ def test_request_fields_override_the_policy() -> None:
 )
 def test_each_busy_policy_answers(policy: BusyPolicy, status: LeaseStatus) -> None:
     assert refusal_status(policy) == status
+
+
+def test_granted_leases_leave_no_pile_of_wait_deadlines_behind() -> None:
+    """Each waiting lease keeps one entry in the heap of wait deadlines; a granted one's entry is
+    stale and is dropped when the heap outgrows the queue, so a day-long max_wait cannot hoard memory."""
+    cfg = SchedulerConfig(mode=Mode.SERIAL)
+    s = GpuScheduler(cfg, now=0)
+    s.acquire_lease(1, 0, priority=50, max_wait_us=10**6, hold_max_us=10**6, queue_limit=100)
+    for lease in range(2, 2000):
+        s.acquire_lease(lease, lease, priority=50, max_wait_us=86_400 * 10**6, hold_max_us=10**6, queue_limit=100)
+        s.release_lease(lease - 1, lease)  # the waiter is granted at once
+    assert len(s._waits) <= 2 * len(s.queue()) + 65
