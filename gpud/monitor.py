@@ -165,12 +165,11 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
 
 
 def publish(daemon: Daemon) -> None:
-    """Refresh the gauges that describe state rather than events."""
+    """Refresh the gauges that describe state rather than events: one pass over the sessions,
+    whatever the number of GPUs, and only the series of sessions gone since are removed."""
     m = daemon.metrics.node
     now = daemon.now()
     daemon.settle_all(now)
-    seen: set[tuple[str, ...]] = set()
-    limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
     for slot in daemon.slots:
         gpu = slot.gpu.index
         view = slot.scheduler.view(now)
@@ -180,23 +179,25 @@ def publish(daemon: Daemon) -> None:
             m.utilization.labels(gpu).set(1.0 if view.holders else 0.0)
             m.memory_used.labels(gpu).set(view.memory_in_use_bytes if view.holders else 0)
         m.allocated.labels(gpu).set((UNIT - daemon.allocator.ledger.gpu_free(gpu)) / UNIT)
-        for conn in list(daemon.connections.values()):
-            for sid, g in list(conn.sessions.items()):
-                if g != gpu or daemon.arbiter.owns(sid):
-                    continue
-                v = slot.scheduler.session(sid, now)
-                labels: tuple[str, ...] = session_labels(gpu, sid, conn.name, conn.pid)
-                seen.add(labels)
-                m.session_core_limit.labels(*labels).set(v.core_limit / 100)
-                m.session_window_used.labels(*labels).set(v.used_us / 1e6)
-                m.session_throttled.labels(*labels).set(1 if v.throttled else 0)
-                m.session_memory.labels(*labels).set(v.mem_used or 0)
-                if v.mem_limit is not None:
-                    limited.add(labels)
-                    m.session_memory_limit.labels(*labels).set(v.mem_limit)
+    seen: set[tuple[str, ...]] = set()
+    limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
+    for conn in list(daemon.connections.values()):
+        for sid, gpu in list(conn.sessions.items()):
+            if daemon.arbiter.owns(sid):
+                continue
+            v = daemon.slots[gpu].scheduler.session(sid, now)
+            labels: tuple[str, ...] = session_labels(gpu, sid, conn.name, conn.pid)
+            seen.add(labels)
+            m.session_core_limit.labels(*labels).set(v.core_limit / 100)
+            m.session_window_used.labels(*labels).set(v.used_us / 1e6)
+            m.session_throttled.labels(*labels).set(1 if v.throttled else 0)
+            m.session_memory.labels(*labels).set(v.mem_used or 0)
+            if v.mem_limit is not None:
+                limited.add(labels)
+                m.session_memory_limit.labels(*labels).set(v.mem_limit)
     for gauge in m.session_gauges:
         keep = limited if gauge is m.session_memory_limit else seen
-        for labels in list(_label_sets(gauge)):  # a session's series go with it
+        for labels in _label_sets(gauge):  # a session's series go with it
             if labels not in keep:
                 gauge.remove(*labels)
     m.allocations.set(len(daemon.allocator.ledger.allocations()))
