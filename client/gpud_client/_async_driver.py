@@ -84,21 +84,8 @@ class Wire:
 
 
 class AsyncDriver(ClientBase):
-    def __init__(
-        self,
-        path: str,
-        *,
-        name: str,
-        labels: dict[str, str] | None,
-        reconnect: bool,
-        unavailable_timeout: float,
-        proceed_unarbitrated: bool,
-        request_timeout: float,
-    ) -> None:
-        super().__init__(
-            path, name=name, labels=labels, reconnect=reconnect, unavailable_timeout=unavailable_timeout,
-            proceed_unarbitrated=proceed_unarbitrated, request_timeout=request_timeout,
-        )
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)  # ClientBase's keyword options
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()  # hooks in flight
         self._wire: Wire | None = None

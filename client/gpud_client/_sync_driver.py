@@ -34,21 +34,8 @@ log = logging.getLogger("gpud_client")
 
 
 class SyncDriver(ClientBase):
-    def __init__(
-        self,
-        path: str,
-        *,
-        name: str,
-        labels: dict[str, str] | None,
-        reconnect: bool,
-        unavailable_timeout: float,
-        proceed_unarbitrated: bool,
-        request_timeout: float,
-    ) -> None:
-        super().__init__(
-            path, name=name, labels=labels, reconnect=reconnect, unavailable_timeout=unavailable_timeout,
-            proceed_unarbitrated=proceed_unarbitrated, request_timeout=request_timeout,
-        )
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)  # ClientBase's keyword options
         # One lock for the core. The slice paths take it bare (a C-level context manager, no Python
         # frames: that time is billed while the lock is kept between slices).
         self._lock = threading.RLock()
