@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e './client[ray]' -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e './client[ray,airflow]' -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
