@@ -14,6 +14,8 @@ none (only the per-session gauges, which go with their sessions).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gpud_client import protocol as p
@@ -145,6 +147,8 @@ class NodeMetrics:
                                       ["cap"], registry=registry)
         self.session_gauges = (self.session_core_limit, self.session_window_used, self.session_throttled,
                                self.session_memory, self.session_memory_limit)
+        # A session's bound series of the first four, looked up once: labels() costs more than set()
+        self.session_children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
         self.store_records_set_aside = Counter("gpud_store_records_set_aside_total",
                                                "Stored allocations that could not be restored.", registry=registry)
         self.store_failures = Counter("gpud_store_failures_total",
@@ -152,6 +156,7 @@ class NodeMetrics:
 
     def forget_session(self, labels: tuple[str, str, str, str]) -> None:
         """A session's series go with it, at once (the monitor refreshes the others)."""
+        self.session_children.pop(labels, None)
         for gauge in self.session_gauges:
             try:
                 gauge.remove(*labels)

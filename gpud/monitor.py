@@ -181,6 +181,7 @@ def publish(daemon: Daemon) -> None:
         m.allocated.labels(gpu).set((UNIT - daemon.allocator.ledger.gpu_free(gpu)) / UNIT)
     seen: set[tuple[str, ...]] = set()
     limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
+    children = m.session_children
     for conn in list(daemon.connections.values()):
         for sid, gpu in list(conn.sessions.items()):
             if daemon.arbiter.owns(sid):
@@ -188,13 +189,21 @@ def publish(daemon: Daemon) -> None:
             v = daemon.slots[gpu].scheduler.session(sid, now)
             labels: tuple[str, ...] = session_labels(gpu, sid, conn.name, conn.pid)
             seen.add(labels)
-            m.session_core_limit.labels(*labels).set(v.core_limit / 100)
-            m.session_window_used.labels(*labels).set(v.used_us / 1e6)
-            m.session_throttled.labels(*labels).set(1 if v.throttled else 0)
-            m.session_memory.labels(*labels).set(v.mem_used or 0)
+            series = children.get(labels)
+            if series is None:
+                series = children[labels] = (
+                    m.session_core_limit.labels(*labels), m.session_window_used.labels(*labels),
+                    m.session_throttled.labels(*labels), m.session_memory.labels(*labels),
+                )
+            series[0].set(v.core_limit / 100)
+            series[1].set(v.used_us / 1e6)
+            series[2].set(1 if v.throttled else 0)
+            series[3].set(v.mem_used or 0)
             if v.mem_limit is not None:
                 limited.add(labels)
                 m.session_memory_limit.labels(*labels).set(v.mem_limit)
+    for gone in [labels for labels in children if labels not in seen]:
+        del children[gone]
     for gauge in m.session_gauges:
         keep = limited if gauge is m.session_memory_limit else seen
         for labels in _label_sets(gauge):  # a session's series go with it
