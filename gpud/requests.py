@@ -199,14 +199,14 @@ def set_limits(d: Daemon, conn: ClientLink, msg: p.SetLimits, now: int) -> p.Lim
         raise Refused(p.ErrorCode.UNKNOWN_SESSION, f"client {target.client_id} has no such session")
     # A ceiling binds the session's own client whoever runs it: an allocation's share is not lifted by the
     # task it caps, even one running as root. An admin lifts it from another connection (gpuctl limit).
-    admin = d.is_admin(conn) and target is not conn
-    if not admin:  # every chosen session is checked before any changes: all or nothing
+    authority = d.is_admin(conn) and target is not conn
+    if not authority:  # every chosen session is checked before any changes: all or nothing
         for sid, g in chosen:
             d.slots[g].scheduler.check_limits(sid, core_limit=msg.core_limit, mem_limit=msg.mem_limit)
     for sid, g in chosen:
         slot = d.slots[g]
         effects = slot.scheduler.set_limits(
-            sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit, authority=admin
+            sid, now, core_limit=msg.core_limit, mem_limit=msg.mem_limit, authority=authority
         )
         d.carry_out(slot, effects, now)
         v = slot.scheduler.session(sid, now)

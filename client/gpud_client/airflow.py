@@ -199,12 +199,11 @@ def _free_earlier_try(client: Client, task_id: str) -> None:
 
 
 def _allocate(client: Client, request: GpuRequest, task_id: str) -> p.Allocated:
-    msg = request.message(task_id, os.getpid())
     asked = f"{request.gpus:g} GPU(s)" + (f" and {request.cpus} CPU core(s)" if request.cpus else "")
-    try:
-        return client.allocate(task_id, msg.gpus, cpus=msg.cpus, prefer=msg.prefer, strategy=msg.strategy,
-                               tenant=msg.tenant, priority=request.priority, wait_ms=msg.wait_ms,
-                               owner_pid=msg.owner_pid)
+    try:  # the message checked when the DAG was parsed, as it is: the wait plus a round trip
+        allocated: p.Allocated = client.call(request.message(task_id, os.getpid()),
+                                             timeout=request.wait + client.request_timeout)
+        return allocated
     except ProtocolError as exc:
         where = f"gpud on {_socket.gethostname()} did not give {task_id} {asked}"
         if exc.code == p.ErrorCode.INSUFFICIENT:

@@ -89,7 +89,6 @@ class Binding:
         self.client: Client | None = None
         self.task_id = ""
         self.sessions: list[Session] = []
-        self.allocated: p.Allocated | None = None
 
     def open(self) -> Binding:
         ctx = ray.get_runtime_context()
@@ -104,16 +103,16 @@ class Binding:
         share = amount if amount < 1 else float(len(ids))
         try:
             self._free_earlier_attempt()
-            self.allocated = self.client.allocate(
+            allocated = self.client.allocate(
                 self.task_id, gpus=share, prefer=list(ids), owner_pid=os.getpid(),
                 wait_ms=round(self.options.wait_s * 1000),
             )
-            if sorted(self.allocated.gpus) != ids:
+            if sorted(allocated.gpus) != ids:
                 raise GpudError(
-                    f"gpud placed {self.task_id} on GPU {self.allocated.gpus}, not on the GPU {ids} Ray assigned: "
+                    f"gpud placed {self.task_id} on GPU {allocated.gpus}, not on the GPU {ids} Ray assigned: "
                     "gpud's ledger has other allocations there; Ray and gpud must own the same GPUs"
                 )
-            memory = self._memory_limit(share)
+            memory = self._memory_limit()
             for gpu in ids:
                 self.sessions.append(self.client.session(
                     gpu, task_id=self.task_id, priority=self.options.priority,
@@ -136,7 +135,7 @@ class Binding:
             if exc.code != p.ErrorCode.UNKNOWN_TASK:
                 raise
 
-    def _memory_limit(self, share: float) -> int | None:
+    def _memory_limit(self) -> int | None:
         memory = self.options.memory
         if memory is None or memory == "proportional":
             return None  # the allocation's share of the GPU's memory is the session's limit

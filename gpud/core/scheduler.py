@@ -596,11 +596,10 @@ class GpuScheduler:
 
     def _dequeue(self, s: _Session) -> None:
         key, s.queue_key = s.queue_key, None
-        i = bisect.bisect_left(self._queue, key) if key is not None else len(self._queue)
-        if i < len(self._queue) and self._queue[i] == key:
+        assert key is not None, "a waiting session is queued under its key"
+        i = bisect.bisect_left(self._queue, key)
+        if i < len(self._queue) and self._queue[i] == key:  # else check() reports the queue inconsistent
             del self._queue[i]
-        else:  # never: every waiting session has its key in the queue (check() says so if not)
-            self._queue = [e for e in self._queue if e[2] != s.id]
 
     def _first_wait(self) -> tuple[int, int, int] | None:
         """The earliest wait deadline of a lease still waiting; stale entries are dropped on the way."""

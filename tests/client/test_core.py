@@ -274,7 +274,7 @@ def test_an_answer_resolves_only_its_own_request() -> None:
     reply = p.LeasesReply(id=rb, leases=[])
     assert d.push(reply) == [Resolve(b)]
     assert d.core.finish(rb) == reply
-    assert not d.core.requests.pending[ra].answered
+    assert d.core.requests.pending[ra].answer is None
     assert d.push(p.Ok(id=rb + 100)) == []  # an id nobody waits for resolves nothing
     assert list(d.core.requests.pending) == [ra]
 
@@ -1501,7 +1501,7 @@ class World:
         """The caller of ``rid`` gives up (a timeout, a cancellation): what it was given goes back."""
         _, s = self.callers.pop(rid)
         req = self.core.requests.pending[rid]
-        answer = req.answer if req.answered else None
+        answer = req.answer
         here = self.resolved.pop(rid, None) == self.conn and self.connected
         self.carry_out(self.core.abandon(rid))
         self.given_up.add(rid)
@@ -1534,7 +1534,7 @@ class World:
         if not self.connected:
             assert core.sessions == {} and core.lock_requests == {}, "sessions kept without a connection"
             assert core.requests.abandoned == {}, "given-up requests kept without a connection"
-        own = [r for r in core.requests.pending.values() if r.waiter is None and r.answered]
+        own = [r for r in core.requests.pending.values() if r.waiter is None and r.answer is not None]
         assert not own, "an answered re-attach is left pending"
         for rid in self.given_up & self.delivered:
             if rid in self.lease_of:

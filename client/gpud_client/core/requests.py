@@ -13,7 +13,7 @@ longer there is given back at once.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -31,8 +31,7 @@ class Request:
     msg: msgspec.Struct
     waiter: Any  # the driver's: an Event, a Future; None for the core's own (re-attach)
     session: SessionState | None = None  # an ATTACH's session
-    answer: Any = None  # the daemon's message, or the GpudError it failed with
-    answered: bool = field(default=False)
+    answer: Any = None  # the daemon's message, or the GpudError it failed with; None: not yet
 
 
 class Requests:
@@ -66,7 +65,7 @@ class Requests:
         """Record an answer; the request it answers, if its caller still waits for it."""
         req = self.pending.get(rid)
         if req is not None:
-            req.answer, req.answered = msg, True
+            req.answer = msg
         return req
 
     def late(self, rid: int) -> Request | None:
@@ -89,7 +88,7 @@ class Requests:
         req = self.pending.pop(rid, None)
         if req is None:
             return None
-        if req.answered:
+        if req.answer is not None:
             return req
         if isinstance(req.msg, (p.Acquire, p.Attach)):
             self.abandoned[rid] = req
@@ -99,8 +98,8 @@ class Requests:
         """Every request waiting for an answer fails with ``error``: the connection is gone."""
         actions: list[Action] = []
         for req in self.pending.values():
-            if not req.answered:
-                req.answer, req.answered = error, True
+            if req.answer is None:
+                req.answer = error
                 if req.waiter is not None:
                     actions.append(Resolve(req.waiter))
         self.pending = {rid: req for rid, req in self.pending.items() if req.waiter is not None}
