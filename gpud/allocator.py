@@ -15,9 +15,11 @@ is refused with ``store_failed``. Only then is anything answered.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import structlog
 
+from gpud.access import Access
 from gpud.config import Config
 from gpud.core.authority import check_priority, owning_allocation
 from gpud.core.ledger import (
@@ -35,8 +37,12 @@ from gpud.core.ledger import (
     to_fixed,
 )
 from gpud.core.scheduler import Refused
+from gpud.effects import Effects
+from gpud.faults import Faults
+from gpud.links import Links
+from gpud.metrics import Metrics
 from gpud.store import Store, StoreError
-from gpud.state import ClientLink, Host
+from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
 from gpud_client import protocol as p
 
 
@@ -44,10 +50,25 @@ log = structlog.get_logger("gpud.allocator")
 
 
 class Allocator:
-    def __init__(self, daemon: Host, config: Config, cpus: list[int]) -> None:
-        self.daemon = daemon
+    """Allocations: ALLOCATE, FREE, LIST_ALLOCATIONS, RESET_ALLOCATIONS, and the answers to
+    waiters the ledger serves or expires."""
+
+    def __init__(
+        self, slots: list[GpuSlot], refs: GpuRefs, links: Links, effects: Effects, access: Access, metrics: Metrics,
+        faults: Faults, config: Config, cpus: list[int], wake: Callable[[], None],
+    ) -> None:
+        self.slots = slots
+        self.refs = refs
+        self.links = links
+        self.effects = effects
+        self.access = access
+        self.metrics = metrics
+        self.faults = faults
         self.config = config
-        specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in daemon.slots]
+        self.wake = wake  # the allocator timer: a wait's deadline is new
+        effects.on(Served, self._served)
+        effects.on(Expired, self._expired)
+        specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in slots]
         self.ledger = Ledger(specs, cpus, tenants=_quotas(config), seed=int.from_bytes(os.urandom(4), "big"),
                              max_waiters=config.max_allocation_waiters)
         try:
@@ -77,7 +98,7 @@ class Allocator:
     def _set_aside(self, task_id: str, reason: str) -> None:
         log.error("allocation_set_aside", task_id=task_id, reason=reason, path=self.store.path,
                   hint="kept in the set_aside table of the store; gpud runs without it")
-        self.daemon.metrics.node.store_records_set_aside.inc()
+        self.metrics.node.store_records_set_aside.inc()
         try:
             self.store.set_aside(task_id, reason)
         except StoreError as exc:
@@ -100,6 +121,12 @@ class Allocator:
 
     # --- requests -----------------------------------------------------------
 
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            p.Allocate: self.allocate, p.Free: self.free, p.ListAllocations: self.list_allocations,
+            p.ResetAllocations: self.reset,
+        }
+
     def allocate(self, conn: ClientLink, msg: p.Allocate, now: int) -> p.Allocated | None:
         if self.ledger.get(msg.task_id) is not None or msg.task_id in self.waiters:
             self._check_owner(conn, msg.task_id, "ask for")
@@ -108,7 +135,7 @@ class Allocator:
         priority = msg.priority
         if priority is None:
             priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else None
-        check_priority(priority, self.daemon.priority_ceiling(conn), "allocation")
+        check_priority(priority, self.access.priority_ceiling(conn), "allocation")
         priority = 50 if priority is None else priority
         req = Request(
             task_id=msg.task_id, gpus=to_fixed(msg.gpus), cpus=msg.cpus,
@@ -123,7 +150,7 @@ class Allocator:
             raise Refused(p.ErrorCode.INSUFFICIENT, short.message) from None
         if alloc is None:
             self.waiters[msg.task_id] = (conn, msg.id, now)
-            self.daemon.wake_allocator()
+            self.wake()
             log.info("allocation_waiting", task_id=msg.task_id, wait_ms=msg.wait_ms, priority=priority)
             return None
         if existing is None:
@@ -131,13 +158,17 @@ class Allocator:
             self._made(alloc)
         return self.answer(msg.id, alloc, 0.0)
 
-    def free(self, conn: ClientLink, task_id: str, now: int) -> None:
+    def free(self, conn: ClientLink, msg: p.Free, now: int) -> p.Ok:
+        self._free(conn, msg.task_id, now)
+        return p.Ok(id=msg.id)
+
+    def _free(self, conn: ClientLink, task_id: str, now: int) -> None:
         alloc = self.ledger.get(task_id)
         if alloc is None and task_id not in self.waiters:
             raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
         if alloc is None:
             waiter = self.waiters[task_id][0]
-            if waiter is not conn and not self.daemon.is_admin(conn):
+            if waiter is not conn and not self.access.is_admin(conn):
                 raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} waits for another client")
             self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "the wait was withdrawn")
             self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
@@ -148,10 +179,14 @@ class Allocator:
         self._store(cp, f"task {task_id!r} was not freed", delete=[task_id], effects=effects)
         self.uids.pop(task_id, None)
         log.info("allocation_freed", task_id=task_id, by_pid=conn.pid)
-        self.carry_out(effects, now)
+        self.effects.carry_out(effects, now)
 
-    def reset(self, conn: ClientLink, now: int) -> None:
-        if not self.daemon.is_admin(conn):
+    def list_allocations(self, conn: ClientLink, msg: p.ListAllocations, now: int) -> p.AllocationsReply:
+        self.advance(now)
+        return self.listing(msg.id)
+
+    def reset(self, conn: ClientLink, msg: p.ResetAllocations, now: int) -> p.Ok:
+        if not self.access.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})")
         released = self.ledger.allocations()
         cp = self.ledger.checkpoint()
@@ -160,7 +195,8 @@ class Allocator:
         for alloc in released:
             self.uids.pop(alloc.task_id, None)
         log.warning("allocations_reset", by_pid=conn.pid, count=len(released))
-        self.carry_out(effects, now)
+        self.effects.carry_out(effects, now)
+        return p.Ok(id=msg.id)
 
     def connection_closed(self, conn: ClientLink, now: int) -> None:
         """Waits die with their connection; allocations outlive it (they are durable)."""
@@ -171,7 +207,7 @@ class Allocator:
     # --- timers -------------------------------------------------------------
 
     def advance(self, now: int) -> None:
-        self.carry_out(self.ledger.advance(now), now)
+        self.effects.carry_out(self.ledger.advance(now), now)
 
     def reap(self, now: int) -> None:
         """Reclaim allocations whose owner process is gone; one record's fault skips only it
@@ -185,36 +221,34 @@ class Allocator:
                                 effects=effects)
                     self.uids.pop(alloc.task_id, None)
                     log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
-                    self.carry_out(effects, now)
+                    self.effects.carry_out(effects, now)
             except Refused:
                 pass  # logged by _store
             except Exception as exc:
-                self.daemon.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
+                self.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
 
-    def carry_out(self, effects: list[LedgerEffect], now: int) -> None:
-        """Answer the waiters a stored change served, and those whose wait ran out."""
-        for e in effects:
-            match e:
-                case Served(allocation=alloc):
-                    conn, rid, since = self.waiters.pop(alloc.task_id)
-                    self._made(alloc)
-                    self.daemon.send(conn, self.answer(rid, alloc, (now - since) / 1000))
-                case Expired(task_id=task_id, reason=reason):
-                    self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, f"{reason.message} (waited the full wait_ms)")
+    def _served(self, e: Served, now: int) -> None:
+        """A waiter the stored change served."""
+        conn, rid, since = self.waiters.pop(e.allocation.task_id)
+        self._made(e.allocation)
+        self.links.send(conn, self.answer(rid, e.allocation, (now - since) / 1000))
+
+    def _expired(self, e: Expired, now: int) -> None:
+        self._answer_error(e.task_id, p.ErrorCode.INSUFFICIENT, f"{e.reason.message} (waited the full wait_ms)")
 
     # --- answers ------------------------------------------------------------
 
     def answer(self, rid: int, alloc: Allocation, waited_ms: float) -> p.Allocated:
         return p.Allocated(
             id=rid, task_id=alloc.task_id, gpus=list(alloc.gpus),
-            uuids=[self.daemon.slots[g].gpu.uuid for g in alloc.gpus], share=alloc.share / UNIT,
+            uuids=[self.slots[g].gpu.uuid for g in alloc.gpus], share=alloc.share / UNIT,
             cpus=list(alloc.cpus), cuda_visible_devices=",".join(map(str, alloc.gpus)), tenant=alloc.tenant,
             priority=alloc.priority, owner_pid=alloc.owner_pid, waited_ms=round(waited_ms, 3),
         )
 
     def listing(self, rid: int) -> p.AllocationsReply:
         gpus = []
-        for slot in self.daemon.slots:
+        for slot in self.slots:
             free = self.ledger.gpu_free(slot.gpu.index)
             tasks = {t: share / UNIT for t, share in self.ledger.gpu_tasks(slot.gpu.index).items()}
             gpus.append(p.GpuAllocationSummary(index=slot.gpu.index, uuid=slot.gpu.uuid,
@@ -244,8 +278,8 @@ class Allocator:
             self.store.write(put=rows, delete=delete or [], clear=clear)
         except StoreError as exc:
             self.ledger.rollback(cp)
-            self.daemon.metrics.node.store_failures.inc()
-            self.daemon.faults.often("store_failed", refused=refusal, error=str(exc))
+            self.metrics.node.store_failures.inc()
+            self.faults.often("store_failed", refused=refusal, error=str(exc))
             raise Refused(p.ErrorCode.STORE_FAILED, f"{refusal}: the store could not record it ({exc})") from None
         for alloc, uid in rows:
             self.uids[alloc.task_id] = uid
@@ -258,11 +292,11 @@ class Allocator:
         waiter = self.waiters.pop(task_id, None)
         if waiter is not None:
             conn, rid, _ = waiter
-            self.daemon.send(conn, p.Error(id=rid, code=code, message=f"task {task_id!r}: {message}"))
+            self.links.send(conn, p.Error(id=rid, code=code, message=f"task {task_id!r}: {message}"))
 
     def _prefer(self, ref: int | str) -> int:
         try:
-            return self.daemon.gpu_index(ref)
+            return self.refs.index(ref)
         except Refused as exc:
             raise Refused(p.ErrorCode.UNKNOWN_GPU, f"{exc.message} in prefer") from None
 
@@ -277,15 +311,15 @@ class Allocator:
         owner = self.uids.get(task_id)
         if owner is None and task_id in self.waiters:
             owner = self.waiters[task_id][0].uid
-        if owner is not None and owner != conn.uid and not self.daemon.is_admin(conn):
+        if owner is not None and owner != conn.uid and not self.access.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} belongs to uid {owner}: you may not {what} it")
 
     def _check_member(self, conn: ClientLink, tenant: str) -> None:
-        if tenant in self.config.tenants and not self._member(conn, tenant) and not self.daemon.is_admin(conn):
+        if tenant in self.config.tenants and not self._member(conn, tenant) and not self.access.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"uid {conn.uid} may not allocate as tenant {tenant!r}")
 
     def _check_may_free(self, conn: ClientLink, alloc: Allocation) -> None:
-        if self.daemon.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
+        if self.access.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
             return
         t = self.config.tenants.get(alloc.tenant or "")
         if t is not None and (conn.uid in t.uids or conn.gid in t.gids):  # listed members, never "anyone"

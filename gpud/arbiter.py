@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 import structlog
 
+from collections.abc import Callable, Iterator
+
+from gpud.access import Access
+from gpud.config import Config
 from gpud.core.authority import check_priority
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
-from gpud.core.scheduler import Effect, Grant, HoldOverdue, LeaseDenied, Refused, Revoke
+from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Refused, Revoke
+from gpud.effects import Effects
+from gpud.links import Links
 from gpud.metrics import Metrics
-from gpud.state import ClientLink, GpuSlot, Host
+from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
 from gpud_client import protocol as p
 
 
@@ -60,20 +66,44 @@ class _Children:
 
 
 class Arbiter:
-    def __init__(self, daemon: Host, metrics: Metrics, policies: dict[str, LeasePolicy]) -> None:
-        self.daemon = daemon
+    """Leases: ACQUIRE, RELEASE, LIST_LEASES, SET_POLICY, LIST_POLICIES, REPORT_OOM, and the
+    answers the schedulers decide for leases (LEASE_RESULT, LEASE_REVOKED)."""
+
+    def __init__(
+        self, slots: list[GpuSlot], refs: GpuRefs, links: Links, effects: Effects, access: Access, metrics: Metrics,
+        config: Config, ids: Iterator[int], settle: Callable[[int], None],
+    ) -> None:
+        self.slots = slots
+        self.refs = refs
+        self.links = links
+        self.effects = effects
+        self.access = access
         self.metrics = metrics
-        self.policies = policies
+        self.config = config
+        self.policies = config.lease_policies()
+        self.ids = ids
+        self.settle = settle  # every GPU's accounts up to now, before figures are read
         self.by_sid: dict[int, LeaseRecord] = {}
         self.by_id: dict[str, LeaseRecord] = {}
         self._prefix = secrets.token_hex(3)  # ids of one daemon run never repeat another's
         self._children: dict[tuple[int, str], _Children] = {}
         self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
         self._prime()
+        effects.leases_are(self.owns)
+        effects.on_lease(Grant, self._granted)
+        effects.on_lease(LeaseDenied, self._denied)
+        effects.on_lease(HoldOverdue, self._overdue)
+        effects.on_lease(Revoke, self._revoked)
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            p.Acquire: self.acquire, p.Release: self.release, p.ListLeases: self.list_leases,
+            p.SetPolicy: self.set_policy, p.ListPolicies: self.list_policies, p.ReportOom: self.report_oom,
+        }
 
     def _prime(self) -> None:
         """Every (gpu, configured task type or other) has its series from the start."""
-        for slot in self.daemon.slots:
+        for slot in self.slots:
             for label in [*self.policies, "other"]:
                 key = (slot.gpu.index, label)
                 if key not in self._children:
@@ -92,15 +122,16 @@ class Arbiter:
 
     # --- requests -----------------------------------------------------------
 
-    def acquire(self, conn: ClientLink, msg: p.Acquire, sid: int, now: int) -> None:
-        slot = self.daemon.slots[self.daemon.gpu_index(msg.gpu)]
-        self.daemon.check_room(conn)
-        check_priority(msg.priority, self.daemon.priority_ceiling(conn), "lease")
+    def acquire(self, conn: ClientLink, msg: p.Acquire, now: int) -> None:
+        """Answered by LEASE_RESULT, now or later."""
+        slot = self.refs.slot(msg.gpu)
+        self.links.check_room(conn)
+        check_priority(msg.priority, self.access.priority_ceiling(conn), "lease")
         key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
                msg.mem_estimate)
         terms = self._terms.get(key)
         if terms is None:  # services repeat the same request shape: resolve it once
-            cfg = self.daemon.config
+            cfg = self.config
             terms = resolve_terms(
                 msg.task_type, self.policies, priority=msg.priority, busy_policy=msg.busy_policy,
                 max_wait_ms=msg.max_wait_ms, queue_limit=msg.queue_limit, hold_max_ms=msg.hold_max_ms,
@@ -109,68 +140,92 @@ class Arbiter:
             )
             if len(self._terms) < 4096:
                 self._terms[key] = terms
+        sid = next(self.ids)
         rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now,
                           self.label(terms.task_type))
         self.by_sid[sid] = rec
         self.by_id[rec.lease_id] = rec
-        conn.sessions[sid] = slot.gpu.index
-        self.daemon.owners[sid] = conn
+        self.links.own(conn, sid, slot.gpu.index)
         effects = slot.scheduler.acquire_lease(
             sid, now, priority=terms.priority, max_wait_us=terms.max_wait_ms * 1000,
             hold_max_us=terms.hold_max_ms * 1000, queue_limit=terms.queue_limit, mem_estimate=terms.mem_estimate,
         )
-        self.daemon.carry_out(slot, effects, now)
+        self.effects.carry_out(effects, now, slot)
         if sid in self.by_sid and rec.granted_at is None:  # neither granted nor denied: it waits
             rec.waiting = True
             self._m(rec).queue_length.inc()
 
-    def release(self, conn: ClientLink, lease_id: str, now: int) -> None:
-        rec = self.by_id.get(lease_id)
-        if rec is None:
-            return  # released already, or never ours to know: idempotent
-        if rec.conn is not conn:
-            raise Refused(
-                p.ErrorCode.PERMISSION_DENIED, f"lease {lease_id} belongs to client {rec.conn.client_id}, not to you"
-            )
-        slot = self.daemon.slots[rec.gpu]
-        self._finish(rec, now, "released")
-        self.daemon.carry_out(slot, slot.scheduler.release_lease(rec.sid, now), now)
+    def release(self, conn: ClientLink, msg: p.Release, now: int) -> p.Ok | None:
+        rec = self.by_id.get(msg.lease_id)
+        if rec is not None:  # else released already, or never ours to know: idempotent
+            if rec.conn is not conn:
+                raise Refused(p.ErrorCode.PERMISSION_DENIED,
+                              f"lease {msg.lease_id} belongs to client {rec.conn.client_id}, not to you")
+            slot = self.slots[rec.gpu]
+            self._finish(rec, now, "released")
+            self.effects.carry_out(slot.scheduler.release_lease(rec.sid, now), now, slot)
+        return None if msg.quiet else p.Ok(id=msg.id)
 
     def connection_closed(self, conn: ClientLink, now: int) -> None:
-        """Its leases die with it (the scheduler side is detached by the caller)."""
-        for rec in [r for r in self.by_sid.values() if r.conn is conn]:
+        """Its leases die with it: out of their schedulers, logged, forgotten."""
+        for sid in list(conn.sessions):
+            rec = self.by_sid.get(sid)
+            if rec is None:
+                continue
+            slot = self.slots[rec.gpu]
             self._finish(rec, now, "disconnected")
+            try:
+                self.effects.carry_out(slot.scheduler.release_lease(sid, now), now, slot)
+            except Refused:
+                pass  # already gone from the scheduler
+
+    def list_leases(self, conn: ClientLink, msg: p.ListLeases, now: int) -> p.LeasesReply:
+        self.settle(now)
+        return p.LeasesReply(id=msg.id, leases=self.infos(now))
+
+    def list_policies(self, conn: ClientLink, msg: p.ListPolicies, now: int) -> p.PoliciesReply:
+        return p.PoliciesReply(id=msg.id, policies=self.policy_infos())
+
+    def report_oom(self, conn: ClientLink, msg: p.ReportOom, now: int) -> p.Ok:
+        gpu = self.refs.index(msg.gpu)
+        self.metrics.oom.labels(gpu, self.label(msg.task_type)).inc()
+        log.info("gpu_oom_reported", gpu=gpu, task_type=msg.task_type, pid=conn.pid, client=conn.client_id)
+        return p.Ok(id=msg.id)
 
     # --- effects ------------------------------------------------------------
 
     def owns(self, sid: int) -> bool:
         return sid in self.by_sid
 
-    def carry_out(self, slot: GpuSlot, effect: Effect, now: int) -> None:
-        rec = self.by_sid[effect.session]
-        match effect:
-            case Grant():
-                self._leave_queue(rec)
-                rec.granted_at = now
-                wait_ms = (now - rec.requested_at) / 1000
-                self._answer(rec, p.LeaseStatus.ACQUIRED, None, wait_ms)
-            case LeaseDenied(reason=reason):
-                self._leave_queue(rec)
-                wait_ms = (now - rec.requested_at) / 1000
-                self._answer(rec, refusal_status(rec.terms.busy_policy), reason, wait_ms)
-                self._forget(rec)
-                self._log(rec, refusal_status(rec.terms.busy_policy), reason, wait_ms, None, "denied")
-            case HoldOverdue(held_us=held, forced=forced):
-                rec.overdue = True
-                self._m(rec).watchdog.inc()
-                log.warning(
-                    "lease_overdue", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
-                    held_ms=held / 1000, hold_max_ms=rec.terms.hold_max_ms, forced_release=forced, pid=rec.conn.pid,
-                    **_trace(rec.trace),
-                )
-            case Revoke(reason=reason):
-                self.daemon.send(rec.conn, p.LeaseRevoked(lease_id=rec.lease_id, reason=reason))
-                self._finish(rec, now, "revoked")
+    def _granted(self, e: Grant, now: int) -> None:
+        rec = self.by_sid[e.session]
+        self._leave_queue(rec)
+        rec.granted_at = now
+        self._answer(rec, p.LeaseStatus.ACQUIRED, None, (now - rec.requested_at) / 1000)
+
+    def _denied(self, e: LeaseDenied, now: int) -> None:
+        rec = self.by_sid[e.session]
+        self._leave_queue(rec)
+        wait_ms = (now - rec.requested_at) / 1000
+        status = refusal_status(rec.terms.busy_policy)
+        self._answer(rec, status, e.reason, wait_ms)
+        self._forget(rec)
+        self._log(rec, status, e.reason, wait_ms, None, "denied")
+
+    def _overdue(self, e: HoldOverdue, now: int) -> None:
+        rec = self.by_sid[e.session]
+        rec.overdue = True
+        self._m(rec).watchdog.inc()
+        log.warning(
+            "lease_overdue", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
+            held_ms=e.held_us / 1000, hold_max_ms=rec.terms.hold_max_ms, forced_release=e.forced, pid=rec.conn.pid,
+            **_trace(rec.trace),
+        )
+
+    def _revoked(self, e: Revoke, now: int) -> None:
+        rec = self.by_sid[e.session]
+        self.links.send(rec.conn, p.LeaseRevoked(lease_id=rec.lease_id, reason=e.reason))
+        self._finish(rec, now, "revoked")
 
     # --- reading ------------------------------------------------------------
 
@@ -192,7 +247,7 @@ class Arbiter:
         return out
 
     def policy_infos(self) -> dict[str, p.PolicyInfo]:
-        cfg = self.daemon.config
+        cfg = self.config
         out = {}
         for name in sorted(self.policies):
             t = resolve_terms(name, self.policies, default_queue_limit=cfg.lease_queue_limit,
@@ -201,12 +256,14 @@ class Arbiter:
                                      queue_limit=t.queue_limit, hold_max_ms=t.hold_max_ms)
         return out
 
-    def set_policies(self, policies: dict[str, LeasePolicy]) -> None:
-        self.policies = policies
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.policies = config.lease_policies()
         self._terms.clear()
         self._prime()
 
-    def set_policy(self, msg: p.SetPolicy) -> LeasePolicy:
+    def set_policy(self, conn: ClientLink, msg: p.SetPolicy, now: int) -> p.Ok:
+        self.access.require_admin(conn, msg)
         base = self.policies.get(msg.task_type) or self.policies["OTHER"]
         new = LeasePolicy(
             priority=base.priority if msg.priority is None else msg.priority,
@@ -218,7 +275,9 @@ class Arbiter:
         self.policies[msg.task_type] = new
         self._terms.clear()
         self._prime()
-        return new
+        log.info("policy_set", task_type=msg.task_type, priority=new.priority, busy_policy=str(new.busy_policy),
+                 max_wait_ms=new.max_wait_ms, by_pid=conn.pid)
+        return p.Ok(id=msg.id)
 
     # --- bookkeeping ----------------------------------------------------------
 
@@ -231,7 +290,7 @@ class Arbiter:
         elif reason == p.LeaseReason.QUEUE_FULL:
             m.queue_full.inc()
         acquired = status == p.LeaseStatus.ACQUIRED
-        self.daemon.send(
+        self.links.send(
             rec.conn,
             p.LeaseResult(
                 id=rec.request_id, status=status, gpu=rec.gpu, task_type=rec.terms.task_type,
@@ -255,8 +314,7 @@ class Arbiter:
     def _forget(self, rec: LeaseRecord) -> None:
         self.by_sid.pop(rec.sid, None)
         self.by_id.pop(rec.lease_id, None)
-        rec.conn.sessions.pop(rec.sid, None)
-        self.daemon.owners.pop(rec.sid, None)
+        self.links.disown(rec.conn, rec.sid)
 
     def _leave_queue(self, rec: LeaseRecord) -> None:
         if rec.waiting:

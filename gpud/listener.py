@@ -35,7 +35,6 @@ from gpud.config import Config
 from gpud.core.scheduler import Inconsistent, LimitReached, Refused
 from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
-from gpud.requests import handle
 from gpud.server import Daemon
 from gpud.state import ClientLink, GpuSlot
 from gpud_client import protocol as p
@@ -46,6 +45,7 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 # A connection's turn: this many messages (or reads) or this much time, whichever comes first.
 _TURN_MESSAGES = 16
 _TURN_S = 0.0005
+_READ_BYTES = 65536
 _FLUSH_S = 1.0  # what a closing connection may take to flush its last answers
 _ACCEPT_BACKOFF_S = 0.1  # after accept fails for want of descriptors or memory
 
@@ -75,12 +75,12 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
         creds, groups = peer_credentials(sock), peer_groups(sock)
     except OSError:
         return  # gone before we could look
-    refusal = daemon.admission_refusal(creds[1])
+    refusal = daemon.links.admission_refusal(creds[1])
     if refusal is not None:
         _refuse_connection(daemon, sock.fileno(), creds, *refusal)
         return
     with trio.CancelScope() as scope:  # cancelled by Daemon.drop: closed at once
-        conn = daemon.open(creds, groups, sock.fileno(), scope)
+        conn = daemon.links.open(creds, groups, sock.fileno(), scope)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_write_loop, daemon, conn, stream)
@@ -106,7 +106,7 @@ def _refuse_connection(daemon: Daemon, fd: int, creds: tuple[int, int, int], cap
     daemon.metrics.node.connections_refused.labels(cap).inc()
     daemon.faults.often("connection_refused", pid=creds[0], uid=creds[1], reason=message)
     try:
-        os.write(fd, daemon.encode(p.Error(id=None, code=p.ErrorCode.LIMIT_REACHED, message=message)))
+        os.write(fd, daemon.links.encode(p.Error(id=None, code=p.ErrorCode.LIMIT_REACHED, message=message)))
     except OSError:
         pass
 
@@ -116,8 +116,8 @@ async def _expect_hello(daemon: Daemon, conn: ClientLink, scope: trio.CancelScop
         await trio.sleep(daemon.config.hello_timeout_s)
         if not conn.greeted:
             message = f"no HELLO within {daemon.config.hello_timeout_s:g} s (hello_timeout_s): closing"
-            daemon.send_error(conn, None, p.ErrorCode.HELLO_REQUIRED, message)
-            daemon.drop(conn, "no_hello")
+            daemon.links.send_error(conn, None, p.ErrorCode.HELLO_REQUIRED, message)
+            daemon.links.drop(conn, "no_hello")
 
 
 async def _write_loop(daemon: Daemon, conn: ClientLink, stream: trio.SocketStream) -> None:
@@ -143,17 +143,21 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
     fd = conn.fd
     work, turn_began = 0, time.perf_counter()
+    drained = False  # the last read took all there was: wait rather than read into EAGAIN
     while not conn.closing:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:  # all read: sleep until the client writes again
-            await trio.lowlevel.wait_readable(fd)
+        if drained:
+            await trio.lowlevel.wait_readable(fd)  # sleep until the client writes again
             work, turn_began = 0, time.perf_counter()
+        try:
+            data = os.read(fd, _READ_BYTES)
+        except BlockingIOError:
+            drained = True
             continue
         except OSError:  # reset by the peer: the same as its end of file
             return
         if not data:
             return
+        drained = len(data) < _READ_BYTES
         try:
             payloads = frames.feed(data)
         except p.FrameTooLarge as exc:
@@ -192,29 +196,29 @@ def handle_payload(daemon: Daemon, conn: ClientLink, payload: bytes, codec: p.Co
         rid, code, message = p.describe_bad_message(payload, exc)
         protocol_error(daemon, conn, rid, code, message)
         return code != p.ErrorCode.BAD_FRAME
-    daemon.count_message(type(msg))
+    daemon.links.count_message(type(msg))
     try:
-        answer = handle(daemon, conn, msg)
+        answer = daemon.handle(conn, msg)
     except Refused as exc:
         if isinstance(exc, LimitReached):
             daemon.metrics.node.limit_refusals.labels(exc.cap).inc()
-        daemon.send_error(conn, msg.id, exc.code, exc.message)
+        daemon.links.send_error(conn, msg.id, exc.code, exc.message)
         return exc.code != p.ErrorCode.VERSION
     except Exception as exc:
         tag = msg.__struct_config__.tag
         daemon.faults.record("request", exc, client=conn.client_id, pid=conn.pid, type=tag)
-        daemon.send_error(conn, msg.id, p.ErrorCode.INTERNAL,
+        daemon.links.send_error(conn, msg.id, p.ErrorCode.INTERNAL,
                           f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)")
         daemon.check_schedulers()
         return False
     if answer is not None:
-        daemon.send(conn, answer)
+        daemon.links.send(conn, answer)
     return True
 
 
 def protocol_error(daemon: Daemon, conn: ClientLink, rid: int | None, code: p.ErrorCode, message: str) -> None:
     """Answer a peer's mistake; log the first of the connection, count them all."""
-    daemon.send_error(conn, rid, code, message)
+    daemon.links.send_error(conn, rid, code, message)
     if not conn.protocol_errors:
         log.info("protocol_error", client=conn.client_id, pid=conn.pid, code=str(code), detail=message[:200])
     conn.protocol_errors[str(code)] += 1
@@ -306,7 +310,7 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
                     await slot.wake.wait()
         now = daemon.now()
         try:
-            daemon.carry_out(slot, slot.scheduler.advance(now), now)
+            daemon.effects.carry_out(slot.scheduler.advance(now), now, slot)
             failures = 0
         except Exception as exc:
             daemon.faults.record("timer", exc, gpu=slot.gpu.index)
@@ -368,5 +372,5 @@ async def serve(
         nursery.start_soon(run_allocator_timer, daemon)
         nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
         nursery.start_soon(accept_loop, daemon, listener, nursery)
-        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.max_connections)
+        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections)
         task_status.started()

@@ -120,9 +120,9 @@ async def _discover(config: Config) -> list[Gpu]:
 
 async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,
                  reload_config: Callable[[], Config]) -> None:
-    daemon.descriptor_room = descriptor_room()
-    if daemon.max_connections < config.max_connections:
-        log.warning("max_connections_lowered", max_connections=daemon.max_connections,
+    daemon.links.descriptor_room = descriptor_room()
+    if daemon.links.max_connections < config.max_connections:
+        log.warning("max_connections_lowered", max_connections=daemon.links.max_connections,
                     configured=config.max_connections, reason="RLIMIT_NOFILE leaves no room for more")
     systemd.open_notify_socket()  # now, while descriptors are free: the watchdog must ping even when none are
     start_metrics(config, registry)
@@ -140,7 +140,7 @@ async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,
                     if signum == signal.SIGHUP:
                         _reload(daemon, reload_config)
                         continue
-                    log.info("shutdown", signal=signal.Signals(signum).name, clients=len(daemon.connections))
+                    log.info("shutdown", signal=signal.Signals(signum).name, clients=len(daemon.links.connections))
                     systemd.notify("STOPPING=1")
                     daemon.farewell(f"gpud received {signal.Signals(signum).name}")
                     await trio.sleep(0.05)  # let the writers flush the goodbyes
@@ -171,7 +171,7 @@ def descriptor_room() -> int:
 
 def _status(daemon: Daemon) -> str:
     sim = " simulated" if any(s.gpu.simulated for s in daemon.slots) else ""
-    return f"{len(daemon.slots)}{sim} GPU(s), {len(daemon.connections)} client(s)"
+    return f"{len(daemon.slots)}{sim} GPU(s), {len(daemon.links.connections)} client(s)"
 
 
 async def _watchdog(daemon: Daemon, interval: float) -> None:

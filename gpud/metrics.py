@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gpud.cells import CounterCells, GaugeCells, HistogramCells
 
 from gpud_client import protocol as p
 
@@ -35,36 +37,27 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         gt = ["gpu", "task_type"]
-        self.acquire_total = Counter(
-            "gpud_arbiter_acquire_total", "Lease acquires by their answer.", [*gt, "status"], registry=registry
+        # Updated on every lease and lock cycle: cells (gpud.cells), not prometheus_client's locked metrics.
+        self.acquire_total = CounterCells(
+            "gpud_arbiter_acquire_total", "Lease acquires by their answer.", [*gt, "status"], registry
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = HistogramCells(
             "gpud_arbiter_queue_wait_seconds", "Time an ACQUIRE waited in the queue for its answer (0: at once).", gt,
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            registry, buckets=_LATENCY_BUCKETS,
         )
-        self.hold = Histogram(
-            "gpud_arbiter_hold_seconds", "Time a lease was held.", gt, buckets=_LATENCY_BUCKETS, registry=registry
+        self.hold = HistogramCells("gpud_arbiter_hold_seconds", "Time a lease was held.", gt, registry,
+                                   buckets=_LATENCY_BUCKETS)
+        self.queue_length = GaugeCells("gpud_arbiter_queue_length", "Leases waiting for the GPU now.", gt, registry)
+        self.timeouts = CounterCells("gpud_arbiter_timeouts_total", "Leases still waiting at max_wait.", gt, registry)
+        self.queue_full = CounterCells(
+            "gpud_arbiter_queue_full_total", "Leases refused because the queue was full.", gt, registry
         )
-        self.queue_length = Gauge(
-            "gpud_arbiter_queue_length", "Leases waiting for the GPU now.", gt, registry=registry
-        )
-        self.timeouts = Counter(
-            "gpud_arbiter_timeouts_total", "Leases still waiting at max_wait.", gt, registry=registry
-        )
-        self.queue_full = Counter(
-            "gpud_arbiter_queue_full_total", "Leases refused because the queue was full.", gt, registry=registry
-        )
-        self.watchdog = Counter(
-            "gpud_arbiter_watchdog_exceeded_total", "Leases held past hold_max.", gt, registry=registry
-        )
+        self.watchdog = CounterCells("gpud_arbiter_watchdog_exceeded_total", "Leases held past hold_max.", gt, registry)
         self.oom = Counter("gpud_gpu_oom_total", "Out-of-memory errors clients reported.", gt, registry=registry)
-        self.lock_grants = Counter("gpud_lock_grants_total", "GPU lock grants to sessions.", ["gpu"], registry=registry)
-        self.lock_drops = Counter(
-            "gpud_lock_drops_total", "DROP_LOCK sent, by reason.", ["gpu", "reason"], registry=registry
-        )
-        self.lock_revocations = Counter(
-            "gpud_lock_revocations_total", "Locks taken away without LOCK_RELEASED.", ["gpu", "reason"],
-            registry=registry,
+        self.lock_grants = CounterCells("gpud_lock_grants_total", "GPU lock grants to sessions.", ["gpu"], registry)
+        self.lock_drops = CounterCells("gpud_lock_drops_total", "DROP_LOCK sent, by reason.", ["gpu", "reason"], registry)
+        self.lock_revocations = CounterCells(
+            "gpud_lock_revocations_total", "Locks taken away without LOCK_RELEASED.", ["gpu", "reason"], registry
         )
         self.node = NodeMetrics(registry)
 
@@ -112,12 +105,12 @@ class NodeMetrics:
                                  registry=registry)
         self.holders = Gauge("gpud_gpu_holders", "Sessions and leases holding the GPU.", g, registry=registry)
         self.queue = Gauge("gpud_gpu_queue_length", "Sessions and leases waiting for the GPU.", g, registry=registry)
-        self.lock_wait = Histogram("gpud_lock_wait_seconds", "LOCK_REQUEST to LOCK_OK.", g, buckets=_LATENCY_BUCKETS,
-                                   registry=registry)
-        self.lock_hold = Histogram("gpud_lock_hold_seconds", "LOCK_OK to LOCK_RELEASED.", g, buckets=_LATENCY_BUCKETS,
-                                   registry=registry)
-        self.drop_to_release = Histogram("gpud_lock_drop_to_release_seconds", "DROP_LOCK to LOCK_RELEASED.", g,
-                                         buckets=_LATENCY_BUCKETS, registry=registry)
+        self.lock_wait = HistogramCells("gpud_lock_wait_seconds", "LOCK_REQUEST to LOCK_OK.", g, registry,
+                                        buckets=_LATENCY_BUCKETS)
+        self.lock_hold = HistogramCells("gpud_lock_hold_seconds", "LOCK_OK to LOCK_RELEASED.", g, registry,
+                                        buckets=_LATENCY_BUCKETS)
+        self.drop_to_release = HistogramCells("gpud_lock_drop_to_release_seconds", "DROP_LOCK to LOCK_RELEASED.", g,
+                                              registry, buckets=_LATENCY_BUCKETS)
         s = ["gpu", "session", "client", "pid"]
         self.session_core_limit = Gauge("gpud_session_core_limit_ratio", "Compute limit (1 = unlimited).", s,
                                         registry=registry)
@@ -134,7 +127,7 @@ class NodeMetrics:
         self.allocation_requests = Counter("gpud_allocation_requests_total", "Allocation requests by result.",
                                            ["result"], registry=registry)
         self.clients = Gauge("gpud_clients", "Connected clients.", registry=registry)
-        self.messages = Counter("gpud_messages_total", "Messages received, by type.", ["type"], registry=registry)
+        self.messages = CounterCells("gpud_messages_total", "Messages received, by type.", ["type"], registry)
         self.protocol_errors = Counter("gpud_protocol_errors_total", "Errors answered, by code.", ["code"],
                                        registry=registry)
         self.faults = Counter("gpud_faults_total", "Unexpected errors contained (one connection, record or tick).",

@@ -18,14 +18,15 @@ GPU is never fatal and keeps being scheduled.
 
 from __future__ import annotations
 
-from typing import Protocol, assert_never
+from typing import Protocol
 
 import structlog
 import trio
 
-from gpud.core.health import GpuHealth, HealthEffect, HealthyAgain, Probe, Unhealthy
+from gpud.core.health import GpuHealth, HealthyAgain, Probe, Unhealthy
 from gpud.core.ledger import UNIT
 from gpud.devices import Gpu, Reading
+from gpud.effects import Effects
 from gpud.metrics import session_labels
 from gpud.server import Daemon
 
@@ -63,6 +64,10 @@ class Monitor:
         self._limiter = trio.CapacityLimiter(max(1, len(self._gpus)))
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self.effects = Effects(daemon.faults)  # this monitor's own: its probes run in its nursery
+        self.effects.on(Probe, self._start_probe)
+        self.effects.on(Unhealthy, self._unhealthy)
+        self.effects.on(HealthyAgain, self._healthy_again)
 
     async def run(self) -> None:
         m = self.daemon.metrics.node
@@ -87,7 +92,7 @@ class Monitor:
         interval = _interval_us(self.daemon)
         try:
             self.health.set_interval(interval)
-            self.carry_out(self.health.advance(now))
+            self.effects.carry_out(self.health.advance(now), now)
             due = self.health.next_deadline()
         except Exception as exc:  # this tick is skipped; the next one, an interval on, tries again
             self.daemon.faults.record("monitor", exc)
@@ -111,28 +116,26 @@ class Monitor:
             reading = Reading(gpu.index, False, error=f"{type(exc).__name__}: {exc}")
         error = None if reading.healthy else (reading.error or "NVML error")
         try:
-            self.carry_out(self.health.finished(gpu.index, self.daemon.now(), error))
+            now = self.daemon.now()
+            self.effects.carry_out(self.health.finished(gpu.index, now, error), now)
             if reading.healthy:
                 apply_readings(self.daemon, [reading])
         except Exception as exc:  # this reading is skipped; the next one tries again
             self.daemon.faults.record("monitor", exc, gpu=gpu.index)
         self._wake.set()  # its next probe may be due before the monitor's sleep ends
 
-    def carry_out(self, effects: list[HealthEffect]) -> None:
-        for e in effects:
-            match e:
-                case Probe(gpu=index):
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._probe, self._gpus[index])
-                case Unhealthy(gpu=index, reason=reason, hung_us=hung_us):
-                    _show_health(self.daemon, index, False)
-                    extra = {} if hung_us is None else {"hung_ms": hung_us // 1000}
-                    log.warning("gpu_unhealthy", gpu=index, reason=reason, **extra)
-                case HealthyAgain(gpu=index, unhealthy_us=unhealthy_us):
-                    _show_health(self.daemon, index, True)
-                    log.info("gpu_healthy_again", gpu=index, unhealthy_ms=unhealthy_us // 1000)
-                case _:
-                    assert_never(e)
+    def _start_probe(self, e: Probe, now: int) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._probe, self._gpus[e.gpu])
+
+    def _unhealthy(self, e: Unhealthy, now: int) -> None:
+        _show_health(self.daemon, e.gpu, False)
+        extra = {} if e.hung_us is None else {"hung_ms": e.hung_us // 1000}
+        log.warning("gpu_unhealthy", gpu=e.gpu, reason=e.reason, **extra)
+
+    def _healthy_again(self, e: HealthyAgain, now: int) -> None:
+        _show_health(self.daemon, e.gpu, True)
+        log.info("gpu_healthy_again", gpu=e.gpu, unhealthy_ms=e.unhealthy_us // 1000)
 
 
 def _show_health(daemon: Daemon, index: int, healthy: bool) -> None:
@@ -155,10 +158,10 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
         slot = daemon.slots[r.index]
         m.memory_used.labels(r.index).set(r.memory_used_bytes)
         m.utilization.labels(r.index).set(r.utilization_ratio)
-        for sid, conn in list(daemon.owners.items()):
+        for sid, conn in list(daemon.links.owners.items()):
             used = (r.process_memory or {}).get(conn.pid)
             if used is not None and conn.sessions.get(sid) == r.index and not daemon.arbiter.owns(sid):
-                daemon.carry_out(slot, slot.scheduler.report_memory(sid, used, now), now)
+                daemon.locks.report_memory(slot, sid, used, now)
                 # At once, as the GPU's own gauges: the reading came between two refreshes.
                 labels = session_labels(r.index, sid, conn.name, conn.pid)
                 m.session_memory.labels(*labels).set(slot.scheduler.session(sid, now).mem_used or 0)
@@ -182,7 +185,7 @@ def publish(daemon: Daemon) -> None:
     seen: set[tuple[str, ...]] = set()
     limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
     children = m.session_children
-    for conn in list(daemon.connections.values()):
+    for conn in list(daemon.links.connections.values()):
         for sid, gpu in list(conn.sessions.items()):
             if daemon.arbiter.owns(sid):
                 continue

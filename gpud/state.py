@@ -1,24 +1,30 @@
 """What the daemon's parts share: a client connection, a GPU slot, the clock, and
-``Host``, the view of the daemon that the arbiter, the allocator and the views
-are given. They depend on this module and never on ``gpud.server``, so imports
-point one way: the server composes them.
+how a client's GPU reference resolves. The parts (``links``, ``effects``,
+``locks``, ``arbiter``, ``allocator``, ``admin``, ``views``) depend on this module
+and on each other's narrow pieces, never on ``gpud.server``: imports point one
+way, and the server composes them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import msgspec
 import trio
 
-from gpud.config import Config
-from gpud.core.scheduler import Effect, GpuScheduler
+from gpud.core.gpus import GpuIdentity, resolve_gpu
+from gpud.core.scheduler import GpuScheduler, Refused
 from gpud.devices import Gpu
-from gpud.faults import Faults
-from gpud.metrics import Metrics
+from gpud_client import protocol as p
+
+Clock = Callable[[], int]  # integer microseconds
+# A request handler: (its connection, the decoded message, now) -> the answer, or None (none now).
+Handler = Callable[["ClientLink", Any, int], "msgspec.Struct | None"]
+_GPU_REFS_KEPT = 256  # resolved GPU keys remembered (a client may send any number of spellings)
 
 
 def now_us() -> int:
@@ -59,21 +65,29 @@ class GpuSlot:
     healthy: bool = True
 
 
-class Host(Protocol):
-    """What a part of the shell may use of the daemon."""
+class GpuRefs:
+    """A client's GPU reference (an index, a UUID or its prefix) -> the slot's index."""
 
-    config: Config
-    metrics: Metrics
-    faults: Faults
-    slots: list[GpuSlot]
-    connections: dict[int, ClientLink]
-    owners: dict[int, ClientLink]  # session or lease -> its connection
-    started_at: int
+    def __init__(self, slots: list[GpuSlot]) -> None:
+        self.slots = slots
+        self._identities = [GpuIdentity(s.gpu.index, s.gpu.uuid) for s in slots]
+        self._known: dict[int | str, int] = {}
 
-    def send(self, conn: ClientLink, msg: msgspec.Struct) -> None: ...
-    def carry_out(self, slot: GpuSlot, effects: list[Effect], now: int) -> None: ...
-    def gpu_index(self, ref: int | str) -> int: ...
-    def is_admin(self, conn: ClientLink) -> bool: ...
-    def priority_ceiling(self, conn: ClientLink) -> int: ...
-    def check_room(self, conn: ClientLink) -> None: ...
-    def wake_allocator(self) -> None: ...
+    def index(self, ref: int | str) -> int:
+        found = self._known.get(ref)
+        if found is not None:
+            return found
+        try:
+            index = resolve_gpu(ref, self._identities)
+        except ValueError as exc:
+            raise Refused(p.ErrorCode.UNKNOWN_GPU, str(exc)) from None
+        if len(self._known) < _GPU_REFS_KEPT:  # services repeat the same key: resolve it once
+            self._known[ref] = index
+        return index
+
+    def slot(self, ref: int | str) -> GpuSlot:
+        return self.slots[self.index(ref)]
+
+    def targets(self, ref: int | str | None) -> list[GpuSlot]:
+        """Every GPU for None, else the one named."""
+        return self.slots if ref is None else [self.slot(ref)]

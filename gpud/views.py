@@ -1,22 +1,49 @@
-"""Snapshots of the daemon for STATUS and CLIENTS answers (gpuctl, the demo)."""
+"""Snapshots of the daemon for STATUS and CLIENTS answers (gpuctl, the demo, gpuctl top)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 from gpud import __version__
-from gpud.state import Host
+from gpud.links import Links
+from gpud.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
+
+
+class Views:
+    """STATUS and LIST_CLIENTS; every account is brought up to now first."""
+
+    def __init__(self, slots: list[GpuSlot], links: Links, started_at: int, settle: Callable[[int], None]) -> None:
+        self.slots = slots
+        self.links = links
+        self.started_at = started_at
+        self.settle = settle
+
+    def handlers(self) -> dict[type, Handler]:
+        return {p.Status: self.status, p.ListClients: self.clients}
+
+    def status(self, conn: ClientLink, msg: p.Status, now: int) -> p.StatusReply:
+        self.settle(now)
+        return status_reply(self.slots, self.links, self.started_at, msg.id, now)
+
+    def clients(self, conn: ClientLink, msg: p.ListClients, now: int) -> p.ClientsReply:
+        self.settle(now)
+        return clients_reply(self.slots, self.links, msg.id, now)
 
 
 def _ms(us: int) -> float:
     return round(us / 1000, 3)
 
 
-def status_reply(daemon: Host, rid: int, now: int) -> p.StatusReply:
+def status_reply(slots: list[GpuSlot], links: Links, started_at: int, rid: int, now: int) -> p.StatusReply:
     gpus = []
-    for slot in daemon.slots:
+    owners = links.owners
+    clients_on: dict[int, int] = {}  # gpu -> clients with a session or lease on it: one pass over the clients
+    for c in links.connections.values():
+        for gpu in set(c.sessions.values()):
+            clients_on[gpu] = clients_on.get(gpu, 0) + 1
+    for slot in slots:
         view = slot.scheduler.view(now)
-        owners = daemon.owners
 
         def who(sid: int) -> tuple[int, str, int]:
             c = owners.get(sid)
@@ -47,7 +74,6 @@ def status_reply(daemon: Host, rid: int, now: int) -> p.StatusReply:
             )
             for w in view.queue
         ]
-        clients = {c.client_id for c in daemon.connections.values() if slot.gpu.index in c.sessions.values()}
         gpus.append(
             p.GpuStatus(
                 index=slot.gpu.index,
@@ -64,23 +90,23 @@ def status_reply(daemon: Host, rid: int, now: int) -> p.StatusReply:
                 healthy=slot.healthy,
                 holders=holders,
                 queue=queue,
-                clients=len(clients),
+                clients=clients_on.get(slot.gpu.index, 0),
                 grants=view.grants,
                 drops=view.drops,
                 revocations=view.revocations,
             )
         )
-    return p.StatusReply(id=rid, version=__version__, uptime_s=round((now - daemon.started_at) / 1e6, 3), gpus=gpus)
+    return p.StatusReply(id=rid, version=__version__, uptime_s=round((now - started_at) / 1e6, 3), gpus=gpus)
 
 
-def clients_reply(daemon: Host, rid: int, now: int) -> p.ClientsReply:
+def clients_reply(slots: list[GpuSlot], links: Links, rid: int, now: int) -> p.ClientsReply:
     out = []
-    for conn in daemon.connections.values():
+    for conn in links.connections.values():
         if not conn.greeted:
             continue
         sessions = []
         for sid, gpu in conn.sessions.items():
-            sched = daemon.slots[gpu].scheduler
+            sched = slots[gpu].scheduler
             v = sched.session(sid, now)
             sessions.append(
                 p.SessionInfo(

@@ -165,7 +165,7 @@ class Fuzz:
         b.setblocking(False)
         if self.draw(st.booleans(), "small socket buffer"):
             a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        peer = Peer(self.daemon.open((pid, uid, gid), groups, a.fileno(), trio.CancelScope()), a, b, reads)
+        peer = Peer(self.daemon.links.open((pid, uid, gid), groups, a.fileno(), trio.CancelScope()), a, b, reads)
         self.peers.append(peer)
         note(f"open client {peer.conn.client_id}: uid {uid} pid {pid} reads={reads}")
         if self.draw(st.sampled_from([True] * 5 + [False]), "HELLO first"):
@@ -283,7 +283,7 @@ class Fuzz:
         own = sorted(peer.conn.sessions)
         if own and self.draw(st.sampled_from([True, True, True, False]), "own session"):
             return self.draw(st.sampled_from(own), "session")
-        return self.choose("session", self.sessions | set(self.daemon.owners), [1, 2, 50, 2**63 - 1])
+        return self.choose("session", self.sessions | set(self.daemon.links.owners), [1, 2, 50, 2**63 - 1])
 
     def grant(self, peer: Peer, sid: int) -> int | None:
         """The grant the session holds (as its LOCK_OK said), a stale or made-up one, or none."""
@@ -476,7 +476,7 @@ class Fuzz:
 
     def drop(self, peer: Peer) -> None:
         """Dropped as a slow reader would be, and handed one more payload before the listener closes it."""
-        self.daemon.drop(peer.conn, "too_slow")
+        self.daemon.links.drop(peer.conn, "too_slow")
         self.feed(peer, self.payload(peer))
 
     def hang_up(self, peer: Peer) -> None:
@@ -493,7 +493,7 @@ class Fuzz:
             d.settle_all(now)
         elif kind == "advance":
             slot = d.slots[self.draw(st.integers(0, len(d.slots) - 1), "gpu")]
-            d.carry_out(slot, slot.scheduler.advance(now), now)
+            d.effects.carry_out(slot.scheduler.advance(now), now, slot)
         elif kind == "allocator":
             d.allocator.advance(now)
             if self.draw(st.booleans(), "reap"):
@@ -506,14 +506,14 @@ class Fuzz:
     def check(self) -> None:
         d, now = self.daemon, self.clock()
         open_conns = {peer.conn.client_id: peer.conn for peer in self.peers}
-        assert d.connections == open_conns, "daemon.connections is not exactly the open connections"
-        assert d.per_uid == Counter(c.uid for c in open_conns.values())
+        assert d.links.connections == open_conns, "daemon.links.connections is not exactly the open connections"
+        assert d.links.per_uid == Counter(c.uid for c in open_conns.values())
         assert _samples(d.metrics.node.clients)[0].value == len(open_conns)
         for slot in d.slots:
             slot.scheduler.check()  # Inconsistent must never be raised
         for conn in open_conns.values():
             for sid, gpu in conn.sessions.items():
-                assert d.owners.get(sid) is conn, f"session {sid} of client {conn.client_id} is not owned by it"
+                assert d.links.owners.get(sid) is conn, f"session {sid} of client {conn.client_id} is not owned by it"
                 sched = d.slots[gpu].scheduler
                 try:
                     sched.session(sid, now)
@@ -522,7 +522,7 @@ class Fuzz:
                 if d.arbiter.owns(sid):
                     assert sid in sched.holders() or sid in sched.queue(), f"lease {sid} neither holds nor waits"
         owned_per_gpu: Counter[int] = Counter()
-        for sid, conn in d.owners.items():
+        for sid, conn in d.links.owners.items():
             assert open_conns.get(conn.client_id) is conn, f"session {sid} is owned by closed client {conn.client_id}"
             assert sid in conn.sessions, f"owners names client {conn.client_id} for {sid}, which it does not hold"
             owned_per_gpu[conn.sessions[sid]] += 1
@@ -532,7 +532,7 @@ class Fuzz:
             assert sessions == owned, f"GPU {slot.gpu.index}: {sessions} sessions in its scheduler, {owned} owned"
         for peer in self.closed:
             conn = peer.conn
-            assert not conn.sessions and conn not in d.owners.values(), f"closed client {conn.client_id} owns something"
+            assert not conn.sessions and conn not in d.links.owners.values(), f"closed client {conn.client_id} owns something"
         self.check_arbiter(open_conns)
         self.check_allocator(open_conns)
         faults = [s for s in _samples(d.metrics.node.faults) if s.name.endswith("_total") and s.value]
@@ -544,7 +544,7 @@ class Fuzz:
         waiting = 0
         for sid, rec in arb.by_sid.items():
             assert rec.sid == sid and open_conns.get(rec.conn.client_id) is rec.conn, f"lease {sid} of a closed client"
-            assert rec.conn.sessions.get(sid) == rec.gpu and self.daemon.owners.get(sid) is rec.conn
+            assert rec.conn.sessions.get(sid) == rec.gpu and self.daemon.links.owners.get(sid) is rec.conn
             sched = self.daemon.slots[rec.gpu].scheduler
             assert (rec.granted_at is not None) == (sid in sched.holders()), f"lease {sid}: answered vs holding"
             assert rec.waiting == (sid in sched.queue()), f"lease {sid}: waiting flag vs queue"
@@ -578,7 +578,7 @@ class Fuzz:
         for peer in list(self.peers):
             self.close(peer)
         self.check()
-        assert not self.daemon.owners and not self.daemon.arbiter.by_sid and not self.daemon.allocator.waiters
+        assert not self.daemon.links.owners and not self.daemon.arbiter.by_sid and not self.daemon.allocator.waiters
         for slot in self.daemon.slots:
             assert slot.scheduler.view(self.clock()).sessions == 0
         faults = {s.labels["where"]: s.value for f in self.registry.collect() if f.name == "gpud_faults"

@@ -134,7 +134,7 @@ class Node:
         self.daemon.allocator.store.write = write  # type: ignore[method-assign]
 
     def connect(self, name: str) -> ClientLink:
-        conn = self.daemon.open((os.getpid(), os.getuid(), os.getgid()), frozenset(), -1, trio.CancelScope())
+        conn = self.daemon.links.open((os.getpid(), os.getuid(), os.getgid()), frozenset(), -1, trio.CancelScope())
         assert isinstance(self.call(conn, p.Hello(id=1, version=p.PROTOCOL_VERSION, name=name))[0], p.Welcome)
         return conn
 

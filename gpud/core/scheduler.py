@@ -424,6 +424,11 @@ class GpuScheduler:
     def queue(self) -> list[int]:
         return [sid for _, _, sid in self._queue]
 
+    def last_hold(self, session: int) -> tuple[int, int | None]:
+        """The session's last hold, in us: its length, and DROP_LOCK to release (None: no drop)."""
+        s = self._get(session)
+        return s.last_hold_us, s.last_drop_to_release_us
+
     def session(self, session: int, now: int) -> SessionView:
         """As of the last call; ``advance(now)`` first for figures up to now."""
         s = self._get(session)

@@ -514,7 +514,7 @@ class World:
                 conn.pending_bytes -= len(data)
                 for payload in c.frames.feed(data):
                     self.on_message(c, self.reader.decode(payload))
-            if c.conn is conn and conn.closing and conn.client_id in self.daemon.connections:
+            if c.conn is conn and conn.closing and conn.client_id in self.daemon.links.connections:
                 self.lose_connection(c, "dropped by the daemon", crashed=False)
 
     def lose_connection(self, c: Client, why: str, *, crashed: bool, keep_intents: bool = False) -> None:
@@ -1012,7 +1012,7 @@ class World:
 
     def connect(self, c: Client, *, greet: bool = True) -> bool:
         d = self.daemon
-        refusal = d.admission_refusal(c.uid)
+        refusal = d.links.admission_refusal(c.uid)
         mine = sum(1 for x in self.clients if x.conn is not None and x.uid == c.uid)
         total = sum(1 for x in self.clients if x.conn is not None)
         over = mine >= self.config.max_connections_per_uid or total >= self.config.max_connections
@@ -1022,7 +1022,7 @@ class World:
         if refusal is not None:
             self.event(f"client {c.cid}: connection refused ({refusal[0]})")
             return False
-        c.conn = d.open((c.pid, c.uid, c.gid), frozenset(), -1, trio.CancelScope())
+        c.conn = d.links.open((c.pid, c.uid, c.gid), frozenset(), -1, trio.CancelScope())
         c.gen += 1
         c.frames = p.FrameDecoder(p.MAX_REPLY_BYTES)
         c.greeted = False
@@ -1357,7 +1357,7 @@ class World:
             deadline = slot.scheduler.next_deadline()
             if deadline is not None and deadline <= self.now:
                 fired.append(f"GPU {slot.gpu.index}")
-                d.carry_out(slot, slot.scheduler.advance(self.now), self.now)
+                d.effects.carry_out(slot.scheduler.advance(self.now), self.now, slot)
                 self.deliver()
         deadline = d.allocator.ledger.next_deadline()
         if deadline is not None and deadline <= self.now:
@@ -1716,8 +1716,8 @@ class World:
         if self.faults:
             self.fail("the daemon counted a fault:\n" + self.faults[0])
         conns = {c.conn.client_id: c.conn for c in self.clients if c.conn is not None}
-        if d.connections != conns:
-            self.fail(f"the daemon's connections {sorted(d.connections)} are not the open ones {sorted(conns)}")
+        if d.links.connections != conns:
+            self.fail(f"the daemon's connections {sorted(d.links.connections)} are not the open ones {sorted(conns)}")
         for conn in self.closed_conns:
             if conn.pending:
                 self.fail(f"the daemon wrote to closed connection {conn.client_id}: {list(conn.pending)[:2]}")
@@ -1730,7 +1730,7 @@ class World:
                 owned[lease.sid] = c
         for c, q in self._waiting:
             owned[q.info["sid"]] = c
-        daemon_owned = {sid: conn.client_id for sid, conn in d.owners.items()}
+        daemon_owned = {sid: conn.client_id for sid, conn in d.links.owners.items()}
         model_owned = {sid: c.conn.client_id for sid, c in owned.items() if c.conn is not None}
         if daemon_owned != model_owned:
             self.fail(f"the daemon's owners {daemon_owned} are not what the clients hold {model_owned}")

@@ -1,0 +1,60 @@
+"""Who may do what: admin rights and priority ceilings, from the peer's credentials.
+
+The rules are in ``gpud.core.authority``; this module resolves the configured
+group names once (at start and on reload) and answers for a connection.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+
+import msgspec
+import structlog
+
+from gpud.config import Config
+from gpud.core.authority import PriorityRules, priority_ceiling
+from gpud.core.scheduler import Refused
+from gpud.state import ClientLink
+from gpud_client import protocol as p
+
+log = structlog.get_logger("gpud.server")
+
+
+class Access:
+    def __init__(self, config: Config) -> None:
+        self.daemon_uid = os.getuid()
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        self.admin_gid = group_id(config.admin_group) if config.admin_group else None
+        by_gid = {gid: cap for name, cap in config.priority_max_groups.items() if (gid := group_id(name)) is not None}
+        self.priority_rules = PriorityRules(
+            default_max=config.priority_max, by_uid={int(u): cap for u, cap in config.priority_max_uids.items()},
+            by_gid=by_gid,
+        )
+
+    def is_admin(self, conn: ClientLink) -> bool:
+        """uid 0, the daemon's own uid, or a member of ``admin_group``."""
+        if conn.uid == 0 or conn.uid == self.daemon_uid:
+            return True
+        gid = self.admin_gid
+        return gid is not None and (conn.gid == gid or gid in conn.groups)
+
+    def require_admin(self, conn: ClientLink, msg: msgspec.Struct) -> None:
+        if not self.is_admin(conn):
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"{msg.__struct_config__.tag} needs uid 0, the daemon's uid or the admin group (peer uid {conn.uid})",
+            )
+
+    def priority_ceiling(self, conn: ClientLink) -> int:
+        return priority_ceiling(self.priority_rules, conn.uid, conn.groups | {conn.gid}, admin=self.is_admin(conn))
+
+
+def group_id(name: str) -> int | None:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        log.info("group_missing", group=name)
+        return None
