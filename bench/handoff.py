@@ -1,5 +1,6 @@
 """Latency of gpud's GPU lock: one client's cycle, and the handoff between clients,
-each beside the floor any Python daemon pays (a minimal relay, in the same run).
+each beside the floor any Python daemon pays (a minimal relay, in the same run)
+and, in the pair harness, beside the floor any daemon on trio pays.
 
 What is measured, against a real daemon (``--simulate 1``) in its own process:
 - uncontended cycle: one client alone; from sending LOCK_REQUEST to having
@@ -24,17 +25,24 @@ What is measured, against a real daemon (``--simulate 1``) in its own process:
   servers. ``daemon_cpu_us_per_cycle``: the daemon's utime + stime
   (/proc/PID/stat) over ``warmup + rounds`` pair cycles on it alone, divided by
   them.
-- the floor: a minimal relay in Python (one process, ``selectors`` on
-  non-blocking Unix sockets, the protocol's framing and its typed codec for
-  every message, as gpud decodes and encodes them; HELLO -> WELCOME, ATTACH ->
-  ATTACHED, LOCK_REQUEST -> LOCK_OK or the FIFO, the holder's LOCK_RELEASED
-  -> LOCK_OK to the FIFO's head; nothing else: no checks beyond decoding, no
-  errors, metrics or logs). The same client code, hold times and percentiles
-  run against it in the same run: the cycle and the 2-client handoff of the
-  processes harness in ``--blocks`` blocks alternating with gpud's, and the
-  pair harness in blocks of PAIR_BLOCK alternating with gpud's, so both see
-  the same host. gpud / floor for p50 and p99 is reported beside a target of
-  3x.
+- the floor (bench/floor.py): a minimal relay in Python (one process,
+  ``selectors`` on non-blocking Unix sockets, the protocol's framing and its
+  typed codec for every message, as gpud decodes and encodes them; HELLO ->
+  WELCOME, ATTACH -> ATTACHED, LOCK_REQUEST -> LOCK_OK or the FIFO, the
+  holder's LOCK_RELEASED -> LOCK_OK to the FIFO's head; nothing else: no
+  checks beyond decoding, no errors, metrics or logs). The same client code,
+  hold times and percentiles run against it in the same run: the cycle and the
+  2-client handoff of the processes harness in ``--blocks`` blocks alternating
+  with gpud's, and the pair harness in blocks of PAIR_BLOCK alternating with
+  gpud's, so both see the same host. gpud / floor for p50 and p99 is reported
+  beside a target of 3x.
+- the trio floor (bench/floor.py, pair harness only): the same relay on trio,
+  reading as gpud's listener does (one task per connection, ``os.read``, and
+  ``trio.lowlevel.wait_readable`` after a short read) and answering with
+  ``os.write``. A trio wake-up (its run loop, a task switch) costs more than a
+  ``select`` loop's, and gpud pays it too: gpud / trio floor
+  (``*_ratio_trio_*``) is gpud's own cost, trio floor / floor the framework's.
+  No target is set against it.
 
 How: the clients run in OS processes of their own (multiprocessing, forkserver) on the
 bare blocking ``gpud_client.connection.Connection`` (no reader thread), so the
@@ -60,19 +68,16 @@ a system daemon: it starts its own on a temporary socket and removes it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import multiprocessing as mp
 import os
 import select
-import selectors
 import shutil
-import socket
 import sys
 import tempfile
 import time
-from collections import deque
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
@@ -83,7 +88,8 @@ from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
-from percentiles import percentile  # bench/, on the path when run as a script
+from floor import relay_main, start_relay, trio_relay_main  # bench/, on the path when run as a script
+from percentiles import percentile
 
 # (t_request, t_grant, t_release, t_released), monotonic ns; plain ints so they pickle anywhere.
 Cycle = tuple[int, int, int, int]
@@ -215,7 +221,7 @@ class Pair:
 def pair_worker(servers: list[tuple[str, int]], cpus: set[int], rounds: int, warmup: int, out: Pipe) -> None:
     """One process on ``cpus``, two connections to each server. First each server's CPU over
     ``warmup + rounds`` cycles alone, one server after the other; then cycles, then handoffs, in
-    blocks of PAIR_BLOCK alternating between the servers after a warm-up on each, so both see the
+    blocks of PAIR_BLOCK alternating between the servers after a warm-up on each, so all see the
     same host."""
     os.sched_setaffinity(0, cpus)
     results: list[dict[str, Any]] = [{"cycle_ns": [], "handoff_ns": []} for _ in servers]
@@ -259,136 +265,6 @@ def split(total: int, parts: int) -> list[int]:
     """``total`` in ``parts`` blocks as equal as can be, the larger first."""
     size, extra = divmod(total, parts)
     return [size + (i < extra) for i in range(parts)]
-
-
-# --- the floor: a minimal relay (its own process) --------------------------------
-
-
-class _Peer:
-    __slots__ = ("sock", "frames", "unsent", "sessions")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.frames = p.FrameDecoder()
-        self.unsent = b""
-        self.sessions: list[int] = []
-
-
-class Relay:
-    """What any Python daemon must pay for a socket round trip and a decode/encode: selectors on
-    non-blocking Unix sockets, gpud's framing and typed codec, one FIFO of waiters and one holder.
-    Nothing else: no checks beyond decoding, no errors, no metrics, no logs."""
-
-    def __init__(self, path: str) -> None:
-        self.codec = p.daemon_codec()
-        self.sel = selectors.DefaultSelector()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(128)
-        self.listener.setblocking(False)
-        self.sel.register(self.listener, selectors.EVENT_READ)
-        self.owner: dict[int, _Peer] = {}
-        self.waiting: deque[int] = deque()
-        self.holder: int | None = None
-        self.ids = itertools.count(1)  # sessions, client ids and grants alike
-
-    def serve_forever(self) -> None:
-        while True:
-            for key, events in self.sel.select():
-                peer = key.data
-                if peer is None:
-                    sock, _ = self.listener.accept()
-                    sock.setblocking(False)
-                    self.sel.register(sock, selectors.EVENT_READ, _Peer(sock))
-                    continue
-                if events & selectors.EVENT_WRITE:
-                    self._flush(peer)
-                if events & selectors.EVENT_READ:
-                    self._read(peer)
-
-    def _read(self, peer: _Peer) -> None:
-        try:
-            data = peer.sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close(peer)
-            return
-        for payload in peer.frames.feed(data):
-            self._handle(peer, self.codec.decode(payload))
-
-    def _handle(self, peer: _Peer, msg: Any) -> None:
-        match msg:
-            case p.LockRequest(session=sid):
-                if self.holder is None:
-                    self._grant(sid)
-                else:
-                    self.waiting.append(sid)
-            case p.LockReleased(session=sid) if sid == self.holder:
-                self.holder = None
-                if self.waiting:
-                    self._grant(self.waiting.popleft())
-            case p.Hello(id=rid):
-                gpu = p.GpuInfo(index=0, uuid="relay-0", name="floor relay", memory_total_bytes=0, simulated=True,
-                                scheduler_on=True)
-                self._send(peer, p.Welcome(id=rid, client_id=next(self.ids), version=p.PROTOCOL_VERSION, gpus=[gpu]))
-            case p.Attach(id=rid):
-                sid = next(self.ids)
-                self.owner[sid] = peer
-                peer.sessions.append(sid)
-                self._send(peer, p.Attached(id=rid, session=sid, gpu=0, scheduler_on=True, core_limit=100,
-                                            mem_limit=None, memory_total_bytes=0))
-
-    def _grant(self, sid: int) -> None:
-        self.holder = sid
-        self._send(self.owner[sid], p.LockOk(session=sid, grant=next(self.ids)))
-
-    def _send(self, peer: _Peer, msg: Any) -> None:
-        data = self.codec.encode(msg)
-        if not peer.unsent:
-            try:
-                sent = peer.sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                return  # gone: its read sees the end
-            if sent == len(data):
-                return
-            data = data[sent:]
-            self.sel.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
-        peer.unsent += data
-
-    def _flush(self, peer: _Peer) -> None:
-        try:
-            sent = peer.sock.send(peer.unsent)
-        except BlockingIOError:
-            return
-        except OSError:
-            sent = len(peer.unsent)
-        peer.unsent = peer.unsent[sent:]
-        if not peer.unsent:
-            self.sel.modify(peer.sock, selectors.EVENT_READ, peer)
-
-    def _close(self, peer: _Peer) -> None:
-        self.sel.unregister(peer.sock)
-        peer.sock.close()
-        gone = set(peer.sessions)
-        for sid in gone:
-            del self.owner[sid]
-        self.waiting = deque(sid for sid in self.waiting if sid not in gone)
-        if self.holder in gone:
-            self.holder = None
-            if self.waiting:
-                self._grant(self.waiting.popleft())
-
-
-def relay_main(path: str, ready: Pipe) -> None:
-    relay = Relay(path)
-    ready.send(os.getpid())
-    ready.close()
-    relay.serve_forever()
 
 
 # --- parent side ---------------------------------------------------------------
@@ -459,15 +335,13 @@ def handoffs_us(holds: list[tuple[int, Cycle]]) -> tuple[list[float], int]:
     return samples, idle
 
 
-
-
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
 class Server:
-    """What a harness runs against: gpud or the floor relay."""
+    """What a harness runs against: gpud or a floor relay."""
 
     path: str
     pid: int
@@ -518,19 +392,20 @@ def many_figures(ctx: Any, gpud: Server, cfg: BenchConfig) -> dict[str, float]:
             f"handoff{MANY}_idle": idle}
 
 
-def pair_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig, *, prefix: str,
+def pair_figures(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg: BenchConfig, *, prefix: str,
                  cpus: tuple[set[int], set[int]]) -> dict[str, float]:
-    """The issue's harness on both servers in one client process (see ``pair_worker``), pinned."""
+    """The issue's harness on gpud and both floors in one client process (see ``pair_worker``), pinned."""
     client, server = cpus
     _progress(f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
               f"to each; {cfg.warmup} + {cfg.rounds} cycles each for CPU, then cycles and handoffs (B queued "
               f"{QUEUED_NS // 1000} us before) in alternating blocks")
     everywhere = os.sched_getaffinity(0)
     ours, theirs = ctx.Pipe(duplex=False)
-    args = ([(gpud.path, gpud.pid), (floor.path, floor.pid)], client, cfg.rounds, cfg.warmup, theirs)
+    servers = (gpud, floor, trio_floor)
+    args = ([(s.path, s.pid) for s in servers], client, cfg.rounds, cfg.warmup, theirs)
     proc = ctx.Process(target=pair_worker, args=args, name=prefix, daemon=True)
     try:
-        for s in (gpud, floor):
+        for s in servers:
             pin(s.pid, server)
         proc.start()
         theirs.close()
@@ -540,28 +415,30 @@ def pair_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig, *, pre
         if proc.is_alive():
             proc.terminate()
             proc.join()
-        for s in (gpud, floor):
+        for s in servers:
             pin(s.pid, everywhere)
     suffix = prefix.removeprefix("pair")
+    named = ((prefix, f"daemon_cpu_us_per_cycle{suffix}"), (f"floor_{prefix}", f"floor_cpu_us_per_cycle{suffix}"),
+             (f"trio_floor_{prefix}", f"trio_floor_cpu_us_per_cycle{suffix}"))
     figures: dict[str, float] = {}
-    for name, cpu_key, r in ((prefix, f"daemon_cpu_us_per_cycle{suffix}", results[0]),
-                             (f"floor_{prefix}", f"floor_cpu_us_per_cycle{suffix}", results[1])):
+    for (name, cpu_key), r in zip(named, results):
         figures |= _percentiles(f"{name}_cycle", [ns / 1000 for ns in r["cycle_ns"]])
         figures |= _percentiles(f"{name}_handoff", [ns / 1000 for ns in r["handoff_ns"]])
         figures[cpu_key] = r["cpu_s"] / r["cpu_cycles"] * 1e6
     figures["cpu_cycles"] = results[0]["cpu_cycles"]
     for kind in ("cycle", "handoff"):
         for pct in (50, 99):
-            figures[f"{prefix}_{kind}_ratio_p{pct}"] = (
-                figures[f"{prefix}_{kind}_us_p{pct}"] / figures[f"floor_{prefix}_{kind}_us_p{pct}"])
+            gpud_us = figures[f"{prefix}_{kind}_us_p{pct}"]
+            figures[f"{prefix}_{kind}_ratio_p{pct}"] = gpud_us / figures[f"floor_{prefix}_{kind}_us_p{pct}"]
+            figures[f"{prefix}_{kind}_ratio_trio_p{pct}"] = gpud_us / figures[f"trio_floor_{prefix}_{kind}_us_p{pct}"]
     return figures
 
 
-def measure(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -> dict[str, float]:
+def measure(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg: BenchConfig) -> dict[str, float]:
     figures = processes_figures(ctx, gpud, floor, cfg)
     figures |= many_figures(ctx, gpud, cfg)
     for prefix, cpus in placements().items():
-        figures |= pair_figures(ctx, gpud, floor, cfg, prefix=prefix, cpus=cpus)
+        figures |= pair_figures(ctx, gpud, floor, trio_floor, cfg, prefix=prefix, cpus=cpus)
     figures["p50_growth_64"] = figures[f"handoff{MANY}_us_p50"] / figures["handoff_us_p50"]
     for kind, gpud_key, floor_key in (("handoff", "handoff", "floor_handoff"), ("cycle", "uncontended_cycle",
                                                                                "floor_cycle")):
@@ -577,13 +454,18 @@ HARNESSES = {
                  "floor_handoff_*, cycle_ratio_*, handoff_ratio_*, and handoff64_* (gpud only, one run)",
     "pair": "the issue's: one client process, two connections per server; a cycle is A alone, a handoff is A "
             "holding, B asking, 200 us later A releasing (A's LOCK_RELEASED send -> B's LOCK_OK read); cycles then "
-            "handoffs in blocks of `pair_block` alternating between the servers. pair_* and floor_pair_*: client "
-            "and servers pinned to one CPU; pair_two_cpus_* and floor_pair_two_cpus_*: the client on one CPU, the "
-            "servers on the other",
-    "cpu": "daemon_cpu_us_per_cycle / floor_cpu_us_per_cycle (_two_cpus): utime + stime (/proc/PID/stat, 10 ms "
-           "ticks) over `cpu_cycles` pair-harness cycles on that server alone, contiguous, before its latency blocks",
+            "handoffs in blocks of `pair_block` alternating between gpud, the floor and the trio floor. pair_*, "
+            "floor_pair_* and trio_floor_pair_*: client and servers pinned to one CPU; pair_two_cpus_*, "
+            "floor_pair_two_cpus_* and trio_floor_pair_two_cpus_*: the client on one CPU, the servers on the "
+            "other; *_ratio_p* is gpud / floor, *_ratio_trio_p* gpud / trio floor",
+    "cpu": "daemon_cpu_us_per_cycle / floor_cpu_us_per_cycle / trio_floor_cpu_us_per_cycle (_two_cpus): utime + "
+           "stime (/proc/PID/stat, 10 ms ticks) over `cpu_cycles` pair-harness cycles on that server alone, "
+           "contiguous, before its latency blocks",
     "floor": "a minimal Python relay in its own process: selectors, gpud's framing and typed codec, "
-             "one FIFO and one holder, nothing else",
+             "one FIFO and one holder, nothing else (bench/floor.py); the targets are against it",
+    "trio_floor": "the same relay on trio (pair harness only): a trio socket listener, one task per connection "
+                  "reading as gpud's listener does (os.read, then trio.lowlevel.wait_readable after a short read), "
+                  "os.write to answer; gpud / trio floor is gpud's own cost, trio floor / floor trio's per-wakeup cost",
 }
 
 
@@ -606,8 +488,9 @@ def report(figures: dict[str, float], cfg: BenchConfig, *, load: float, elapsed_
         "samples": {k: figures[f"{k}_samples"] for k in ("handoff", f"handoff{MANY}", "floor_handoff")},
         "hold_us": cfg.hold_us,
         "warmup": cfg.warmup,
-        **{k: v for k, v in us.items() if k.startswith(("floor_", "pair_", "daemon_cpu"))},
-        **{k: round(v, 2) for k, v in figures.items() if k.endswith(("_ratio_p50", "_ratio_p99"))},
+        **{k: v for k, v in us.items() if k.startswith(("floor_", "trio_floor_", "pair_", "daemon_cpu"))},
+        **{k: round(v, 2) for k, v in figures.items()
+           if k.endswith(("_ratio_p50", "_ratio_p99", "_ratio_trio_p50", "_ratio_trio_p99"))},
         "pair_queued_us": QUEUED_NS // 1000,
         "blocks": cfg.blocks,
         "pair_block": PAIR_BLOCK,
@@ -650,24 +533,7 @@ def table(result: dict[str, Any]) -> str:
         f"handoff samples {samples['handoff']} / {samples[f'handoff{MANY}']} "
         f"(idle gaps left out: {idle['handoff']} / {idle[f'handoff{MANY}']})"
     )
-    lines += ["", "gpud against the floor (a minimal Python relay), same run, same client code (us)",
-              f"{'harness':<16}{'figure':<14}{'gpud':>9}{'floor':>9}{'ratio':>8}{'target':>10}  met"]
-    compared = [("processes", "uncontended_cycle", "floor_cycle", "cycle", "cycle"),
-                ("processes", "handoff", "floor_handoff", "handoff", "handoff, 2")]
-    compared += [(f"pair, {'1 CPU' if name == 'pair' else '2 CPUs'}", f"{name}_{kind}", f"floor_{name}_{kind}",
-                  f"{name}_{kind}", kind) for name in placements() for kind in ("cycle", "handoff")]
-    for harness, gpud, floor, ratio, label in compared:
-        for pct in (50, 99):
-            key = f"{ratio}_ratio_p{pct}"
-            target, met = _met_cell(result, key, "x")
-            lines.append(f"{harness:<16}{label + f' p{pct}':<14}{result[f'{gpud}_us_p{pct}']:>9.1f}"
-                         f"{result[f'{floor}_us_p{pct}']:>9.1f}{result[key]:>7.2f}x{target:>10}  {met}".rstrip())
-    for suffix, where in (("", "1 CPU"), ("_two_cpus", "2 CPUs")):
-        key = f"daemon_cpu_us_per_cycle{suffix}"
-        if key in result:
-            target, met = _met_cell(result, key, "us")
-            lines.append(f"daemon CPU per uncontended cycle (pair, {where}): {result[key]:.1f} us (the floor's: "
-                         f"{result[f'floor_cpu_us_per_cycle{suffix}']:.1f} us), target {target}: {met}")
+    lines += ["", *_against_the_floors(result)]
     lines.append(f"processes: one OS process per client, placed by the kernel, {result['blocks']} alternating blocks "
                  f"per server; pair: one process, two connections per server, B queued {result['pair_queued_us']} "
                  f"us before A releases, blocks of {result['pair_block']}; CPU over {result['cpu_cycles']} cycles")
@@ -676,6 +542,38 @@ def table(result: dict[str, Any]) -> str:
         f"{result['loadavg_1m_after']} after, took {result['elapsed_s']} s"
     )
     return "\n".join(lines)
+
+
+def _against_the_floors(result: dict[str, Any]) -> list[str]:
+    """gpud beside the floor (the targets' ratio) and, in the pair harness, beside the trio floor."""
+    lines = ["gpud against the floor (a minimal Python relay) and the trio floor (the same on trio), same run, "
+             "same client code (us)",
+             f"{'harness':<16}{'figure':<14}{'gpud':>9}{'floor':>9}{'ratio':>8}{'trio floor':>12}{'gpud / trio':>13}"
+             f"{'target':>10}  met"]
+    compared: list[tuple[str, str, str, str, str, str | None]] = [
+        ("processes", "uncontended_cycle", "floor_cycle", "cycle", "cycle", None),
+        ("processes", "handoff", "floor_handoff", "handoff", "handoff, 2", None),
+    ]
+    compared += [(f"pair, {'1 CPU' if name == 'pair' else '2 CPUs'}", f"{name}_{kind}", f"floor_{name}_{kind}",
+                  f"{name}_{kind}", kind, f"trio_floor_{name}_{kind}") for name in placements()
+                 for kind in ("cycle", "handoff")]
+    for harness, gpud, floor, ratio, label, trio in compared:
+        for pct in (50, 99):
+            key = f"{ratio}_ratio_p{pct}"
+            target, met = _met_cell(result, key, "x")
+            trio_cells = (f"{result[f'{trio}_us_p{pct}']:>12.1f}{result[f'{ratio}_ratio_trio_p{pct}']:>12.2f}x"
+                          if trio else " " * 25)
+            lines.append(f"{harness:<16}{label + f' p{pct}':<14}{result[f'{gpud}_us_p{pct}']:>9.1f}"
+                         f"{result[f'{floor}_us_p{pct}']:>9.1f}{result[key]:>7.2f}x{trio_cells}{target:>10}  "
+                         f"{met}".rstrip())
+    for suffix, where in (("", "1 CPU"), ("_two_cpus", "2 CPUs")):
+        key = f"daemon_cpu_us_per_cycle{suffix}"
+        if key in result:
+            target, met = _met_cell(result, key, "us")
+            lines.append(f"daemon CPU per uncontended cycle (pair, {where}): {result[key]:.1f} us (the floor's: "
+                         f"{result[f'floor_cpu_us_per_cycle{suffix}']:.1f} us, the trio floor's: "
+                         f"{result[f'trio_floor_cpu_us_per_cycle{suffix}']:.1f} us), target {target}: {met}")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
@@ -693,19 +591,12 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     return cfg, args.json
 
 
-def start_relay(ctx: Any, workdir: str) -> tuple[Any, Server]:
-    """The floor relay in its own process, listening in ``workdir`` once this returns."""
-    path = os.path.join(workdir, "relay.sock")
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=relay_main, args=(path, theirs), name="floor-relay", daemon=True)
-    proc.start()
-    theirs.close()
-    if not ours.poll(START_TIMEOUT_S):
-        proc.terminate()
-        raise RuntimeError("the floor relay did not start (its traceback is above)")
-    pid: int = ours.recv()
-    ours.close()
-    return proc, Server(path, pid)
+def start_floor(ctx: Any, floor_main: Callable[[str, Pipe], None], workdir: str, started: list[Any]) -> Server:
+    """A floor relay in its own process (added to ``started``), listening in ``workdir`` once this returns."""
+    path = os.path.join(workdir, f"{floor_main.__name__}.sock")
+    proc, pid = start_relay(ctx, floor_main, path, timeout_s=START_TIMEOUT_S)
+    started.append(proc)
+    return Server(path, pid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -715,17 +606,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx.set_forkserver_preload(["gpud_client.connection"])
     daemon = DaemonProcess("--simulate", "1", "--log-level", "warning").start()
     workdir = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # short: socket paths are limited to ~108 bytes
-    relay = None
+    relays: list[Any] = []
     try:
-        relay, floor = start_relay(ctx, workdir)
+        floor, trio_floor = (start_floor(ctx, floor_main, workdir, relays)
+                             for floor_main in (relay_main, trio_relay_main))
         assert daemon.proc is not None
-        figures = measure(ctx, Server(daemon.socket, daemon.proc.pid), floor, cfg)
+        figures = measure(ctx, Server(daemon.socket, daemon.proc.pid), floor, trio_floor, cfg)
         complaints = daemon.log().strip()
     finally:
         daemon.cleanup()
-        if relay is not None:
-            relay.terminate()
-            relay.join()
+        for proc in relays:
+            proc.terminate()
+            proc.join()
         shutil.rmtree(workdir, ignore_errors=True)
     if complaints:
         _progress(f"the daemon logged warnings during the run:\n{complaints}")

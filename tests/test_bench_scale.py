@@ -1,12 +1,14 @@
-"""The pure helpers of bench/scale.py and bench/handoff.py: the daemon's TOML, blocks, sizes, placements.
+"""The pure helpers of bench/scale.py and bench/handoff.py: the daemon's TOML, blocks, sizes, placements;
+and bench/floor.py's two relays, which must speak the same protocol for their figures to compare.
 
 bench/ is no package: the modules are loaded from their files, with bench/ on
-sys.path for their own imports (scale imports handoff and percentiles).
+sys.path for their own imports (scale imports handoff, handoff imports floor and percentiles).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,8 +16,11 @@ from types import ModuleType
 import pytest
 
 from gpud import config
+from gpud_client import protocol as p
+from gpud_client.connection import Connection
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+RECV_TIMEOUT_S = 10.0
 
 
 def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -80,3 +85,35 @@ def test_placements_name_the_cpus_of_the_bench_and_the_daemons(scale: ModuleType
 def test_growth_is_the_later_figure_over_the_base(scale: ModuleType) -> None:
     figures = {"lock_us_p50_10": 50.0, "lock_us_p50_10000": 60.0}
     assert scale.growth(figures, "lock_us_p50_10", "lock_us_p50_10000") == pytest.approx(1.2)
+
+
+@pytest.fixture
+def floor(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCH))
+    return _load("floor", monkeypatch)
+
+
+@pytest.mark.parametrize("main", ["relay_main", "trio_relay_main"])
+def test_floors_queue_a_request_and_grant_it_on_release(floor: ModuleType, main: str, tmp_path: Path) -> None:
+    path = str(tmp_path / "f.sock")
+    proc, _ = floor.start_relay(multiprocessing.get_context("spawn"), getattr(floor, main), path, timeout_s=60.0)
+    try:
+        with Connection(path) as a, Connection(path) as b:
+            assert a.hello("a").version == b.hello("b").version == p.PROTOCOL_VERSION
+            sa = a.call(p.Attach(id=a.next_id(), gpu=0)).session
+            sb = b.call(p.Attach(id=b.next_id(), gpu=0)).session
+            a.send(p.LockRequest(id=a.next_id(), session=sa))
+            granted = a.recv(RECV_TIMEOUT_S)
+            assert isinstance(granted, p.LockOk) and granted.session == sa
+            b.send(p.LockRequest(id=b.next_id(), session=sb))
+            # Answers go out in the order requests are handled: B's ATTACHED coming first
+            # shows its LOCK_REQUEST was queued, not granted.
+            rid = b.next_id()
+            b.send(p.Attach(id=rid, gpu=0))
+            assert isinstance(reply := b.recv(RECV_TIMEOUT_S), p.Attached) and reply.id == rid
+            a.send(p.LockReleased(id=a.next_id(), session=sa, grant=granted.grant))
+            handed = b.recv(RECV_TIMEOUT_S)
+            assert isinstance(handed, p.LockOk) and handed.session == sb
+    finally:
+        proc.terminate()
+        proc.join()
