@@ -9,7 +9,7 @@ once, in ``_Floor``; the relays differ only in how bytes come and go:
 - ``Relay``, the floor: ``selectors`` on non-blocking Unix sockets, one loop.
   What any Python daemon must pay for a socket round trip and a decode/encode.
 - ``TrioRelay``, the trio floor: a trio socket listener, one task per
-  connection reading with ``os.read`` and, after a short read, awaiting
+  connection reading with ``os.read`` until EAGAIN, then awaiting
   ``trio.lowlevel.wait_readable`` (gpud's own read loop, ``gpud/listener.py``),
   and writing with ``os.write`` on the socket's descriptor, as gpud does. What
   any daemon on trio must pay: gpud over it is gpud's own cost, and the trio
@@ -227,20 +227,16 @@ class TrioRelay(_Floor[_TrioPeer]):
 
     async def _read_loop(self, peer: _TrioPeer) -> None:
         frames, fd = p.FrameDecoder(), peer.fd
-        drained = False  # the last read took all there was: wait rather than read into EAGAIN
         while True:
-            if drained:
-                await trio.lowlevel.wait_readable(fd)
             try:
                 data = os.read(fd, READ_BYTES)
-            except BlockingIOError:
-                drained = True
+            except BlockingIOError:  # all read: sleep until the client writes again
+                await trio.lowlevel.wait_readable(fd)
                 continue
             except OSError:  # reset by the peer: the same as its end of file
                 return
             if not data:
                 return
-            drained = len(data) < READ_BYTES
             for payload in frames.feed(data):
                 self._handle(peer, self.codec.decode(payload))
 

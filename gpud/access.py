@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from gpud.config import Config
-from gpud.core.authority import PriorityRules, priority_ceiling
+from gpud.core.authority import PriorityRules, check_priority, priority_ceiling
 from gpud.core.scheduler import Refused
 from gpud.state import ClientLink
 from gpud_client import protocol as p
@@ -50,6 +50,11 @@ class Access:
 
     def priority_ceiling(self, conn: ClientLink) -> int:
         return priority_ceiling(self.priority_rules, conn.uid, conn.groups | {conn.gid}, admin=self.is_admin(conn))
+
+    def check_priority(self, conn: ClientLink, asked: int | None, what: str) -> None:
+        """Refuse a declared priority above the peer's ceiling (none declared: nothing to look up)."""
+        if asked is not None:
+            check_priority(asked, self.priority_ceiling(conn), what)
 
 
 def group_id(name: str) -> int | None:

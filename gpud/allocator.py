@@ -21,7 +21,7 @@ import structlog
 
 from gpud.access import Access
 from gpud.config import Config
-from gpud.core.authority import check_priority, owning_allocation
+from gpud.core.authority import owning_allocation
 from gpud.core.ledger import (
     UNIT,
     Allocation,
@@ -135,7 +135,7 @@ class Allocator:
         priority = msg.priority
         if priority is None:
             priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else None
-        check_priority(priority, self.access.priority_ceiling(conn), "allocation")
+        self.access.check_priority(conn, priority, "allocation")
         priority = 50 if priority is None else priority
         req = Request(
             task_id=msg.task_id, gpus=to_fixed(msg.gpus), cpus=msg.cpus,

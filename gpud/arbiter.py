@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 
 from gpud.access import Access
 from gpud.config import Config
-from gpud.core.authority import check_priority
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Refused, Revoke
 from gpud.effects import Effects
@@ -126,7 +125,7 @@ class Arbiter:
         """Answered by LEASE_RESULT, now or later."""
         slot = self.refs.slot(msg.gpu)
         self.links.check_room(conn)
-        check_priority(msg.priority, self.access.priority_ceiling(conn), "lease")
+        self.access.check_priority(conn, msg.priority, "lease")
         key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
                msg.mem_estimate)
         terms = self._terms.get(key)

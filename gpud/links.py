@@ -50,6 +50,7 @@ class Links:
     def send(self, conn: ClientLink, msg: msgspec.Struct) -> None:
         if conn.closing:
             return
+        conn.sends += 1
         data = self._codec.encode(msg)
         if conn.fd >= 0 and not conn.writing and not conn.pending:
             try:

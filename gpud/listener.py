@@ -143,21 +143,25 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
     frames = p.FrameDecoder(daemon.config.max_frame_bytes)
     fd = conn.fd
     work, turn_began = 0, time.perf_counter()
-    drained = False  # the last read took all there was: wait rather than read into EAGAIN
+    expect_more = True  # read again before waiting: the client may have written meanwhile
     while not conn.closing:
-        if drained:
-            await trio.lowlevel.wait_readable(fd)  # sleep until the client writes again
+        if not expect_more:
+            await trio.lowlevel.wait_readable(fd)
             work, turn_began = 0, time.perf_counter()
         try:
             data = os.read(fd, _READ_BYTES)
-        except BlockingIOError:
-            drained = True
+        except BlockingIOError:  # all read: sleep until the client writes again
+            expect_more = False
             continue
         except OSError:  # reset by the peer: the same as its end of file
             return
         if not data:
             return
-        drained = len(data) < _READ_BYTES
+        # A client that was just sent something (its LOCK_OK, its lease) often answers at once
+        # (its release): read again, which finds that without a trio round. One that was sent
+        # nothing (it released, and the grant went to another) has nothing to say: wait, rather
+        # than pay a read into EAGAIN before sleeping.
+        sends_before = conn.sends
         try:
             payloads = frames.feed(data)
         except p.FrameTooLarge as exc:
@@ -176,6 +180,7 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
             if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
                 await trio.lowlevel.checkpoint()  # a client that never pauses must not starve the others
                 work, turn_began = 0, time.perf_counter()
+        expect_more = conn.sends != sends_before or len(data) == _READ_BYTES
 
 
 async def _wait_drained(conn: ClientLink) -> None:

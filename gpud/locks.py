@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from gpud.access import Access
-from gpud.core.authority import check_priority, fraction_ceilings
+from gpud.core.authority import fraction_ceilings
 from gpud.core.ledger import Allocation
 from gpud.core.scheduler import Drop, Grant, MemOverLimit, Refused, Revoke
 from gpud.effects import Effects
 from gpud.links import Links
+from gpud.logging import debug
 from gpud.metrics import Metrics, session_labels
 from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
 from gpud_client import protocol as p
@@ -95,7 +96,7 @@ class Locks:
     def attach(self, conn: ClientLink, msg: p.Attach, now: int) -> p.Attached:
         slot = self.refs.slot(msg.gpu)
         self.links.check_room(conn)
-        check_priority(msg.priority, self.access.priority_ceiling(conn), "session")
+        self.access.check_priority(conn, msg.priority, "session")
         # A fractional allocation of the session's task (named, or matched by process or uid)
         # caps its limits: the caps are ceilings the client cannot lift later.
         alloc = self.allocation_of(conn, msg.task_id or conn.labels.get("task_id"), slot.gpu.index)
@@ -195,7 +196,8 @@ class Locks:
         cells = self._cells[gpu]
         cells.grants.value += 1
         cells.wait.observe(e.waited_us / 1e6)
-        log.debug("lock_granted", gpu=gpu, session=e.session, grant=e.grant, client=owner.client_id)
+        if debug.on:
+            log.debug("lock_granted", gpu=gpu, session=e.session, grant=e.grant, client=owner.client_id)
 
     def _dropped(self, e: Drop, now: int) -> None:
         owner = self.links.owners.get(e.session)

@@ -76,7 +76,18 @@ class _LineWriterFactory:
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _Debug:
+    """Whether debug lines are written: per-message debug lines are skipped whole when not
+    (a filtered structlog call still costs its arguments and a proxy lookup)."""
+
+    on = False
+
+
+debug = _Debug()
+
+
 def configure_logging(level: str = "info", fmt: Literal["auto", "json", "console"] = "auto") -> None:
+    debug.on = _LEVELS[level] <= logging.DEBUG
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer(serializer=_json) if use_json else structlog.dev.ConsoleRenderer(colors=False)

@@ -45,6 +45,7 @@ class ClientLink:
     connected_at: int
     pending: deque[bytes] = field(default_factory=deque)  # bytes the writer task has not sent yet
     pending_bytes: int = 0  # in ``pending`` and in the writer's hands
+    sends: int = 0  # messages sent to it so far (the reader's hint that an answer may come back)
     writing: bool = False  # the writer task holds bytes not yet on the socket
     writer_wake: trio.Event = field(default_factory=trio.Event)
     drained: trio.Event = field(default_factory=trio.Event)
