@@ -9,8 +9,8 @@ once, in ``_Floor``; the relays differ only in how bytes come and go:
 - ``Relay``, the floor: ``selectors`` on non-blocking Unix sockets, one loop.
   What any Python daemon must pay for a socket round trip and a decode/encode.
 - ``TrioRelay``, the trio floor: a trio socket listener, one task per
-  connection reading with ``os.read`` until EAGAIN, then awaiting
-  ``trio.lowlevel.wait_readable`` (gpud's own read loop, ``gpud/listener.py``),
+  connection reading with ``os.read`` and awaiting ``trio.lowlevel.wait_readable``
+  when a read finds nothing or nothing was sent it (gpud's own read loop, ``gpud/listener.py``),
   and writing with ``os.write`` on the socket's descriptor, as gpud does. What
   any daemon on trio must pay: gpud over it is gpud's own cost, and the trio
   floor over the floor is trio's per-wakeup cost.
@@ -192,12 +192,13 @@ def relay_main(path: str, ready: Pipe) -> None:
 
 
 class _TrioPeer:
-    __slots__ = ("fd", "unsent", "sessions")
+    __slots__ = ("fd", "unsent", "sessions", "sends")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.unsent = b""
         self.sessions: list[int] = []
+        self.sends = 0  # messages sent to it: the read loop's hint, as gpud's
 
 
 class TrioRelay(_Floor[_TrioPeer]):
@@ -227,20 +228,26 @@ class TrioRelay(_Floor[_TrioPeer]):
 
     async def _read_loop(self, peer: _TrioPeer) -> None:
         frames, fd = p.FrameDecoder(), peer.fd
+        expect_more = True
         while True:
+            if not expect_more:
+                await trio.lowlevel.wait_readable(fd)
             try:
                 data = os.read(fd, READ_BYTES)
             except BlockingIOError:  # all read: sleep until the client writes again
-                await trio.lowlevel.wait_readable(fd)
+                expect_more = False
                 continue
             except OSError:  # reset by the peer: the same as its end of file
                 return
             if not data:
                 return
+            sends_before = peer.sends
             for payload in frames.feed(data):
                 self._handle(peer, self.codec.decode(payload))
+            expect_more = peer.sends != sends_before or len(data) == READ_BYTES
 
     def _send(self, peer: _TrioPeer, msg: Any) -> None:
+        peer.sends += 1
         data = self.codec.encode(msg)
         if not peer.unsent:
             try:

@@ -38,7 +38,7 @@ What is measured, against a real daemon (``--simulate 1``) in its own process:
   beside a target of 3x.
 - the trio floor (bench/floor.py, pair harness only): the same relay on trio,
   reading as gpud's listener does (one task per connection, ``os.read``, and
-  ``trio.lowlevel.wait_readable`` once a read finds nothing) and answering with
+  ``trio.lowlevel.wait_readable`` as it does) and answering with
   ``os.write``. A trio wake-up (its run loop, a task switch) costs more than a
   ``select`` loop's, and gpud pays it too: gpud / trio floor
   (``*_ratio_trio_*``) is gpud's own cost, trio floor / floor the framework's.
@@ -464,7 +464,7 @@ HARNESSES = {
     "floor": "a minimal Python relay in its own process: selectors, gpud's framing and typed codec, "
              "one FIFO and one holder, nothing else (bench/floor.py); the targets are against it",
     "trio_floor": "the same relay on trio (pair harness only): a trio socket listener, one task per connection "
-                  "reading as gpud's listener does (os.read until EAGAIN, then trio.lowlevel.wait_readable), "
+                  "reading as gpud's listener does (os.read, trio.lowlevel.wait_readable when nothing is expected), "
                   "os.write to answer; gpud / trio floor is gpud's own cost, trio floor / floor trio's per-wakeup cost",
 }
 
