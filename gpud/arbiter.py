@@ -88,7 +88,7 @@ class Arbiter:
         self._children: dict[tuple[int, str], _Children] = {}
         self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
         self._prime()
-        effects.leases_are(self.owns)
+        effects.leases_are(self.by_sid)
         effects.on_lease(Grant, self._granted)
         effects.on_lease(LeaseDenied, self._denied)
         effects.on_lease(HoldOverdue, self._overdue)

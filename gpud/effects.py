@@ -15,7 +15,7 @@ leases takes an effect whose session is a lease.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from gpud.faults import Faults
@@ -29,7 +29,7 @@ class Effects:
         self.faults = faults
         self._handlers: dict[type, Handler] = {}
         self._lease_handlers: dict[type, Handler] = {}
-        self._is_lease: Callable[[int], bool] = lambda sid: False
+        self._leases: Container[int] = ()
 
     def on(self, kind: type, handler: Handler) -> None:
         self._handlers[kind] = handler
@@ -37,9 +37,9 @@ class Effects:
     def on_lease(self, kind: type, handler: Handler) -> None:
         self._lease_handlers[kind] = handler
 
-    def leases_are(self, is_lease: Callable[[int], bool]) -> None:
-        """How to tell a lease's id from a session's."""
-        self._is_lease = is_lease
+    def leases_are(self, leases: Container[int]) -> None:
+        """The ids that are leases (the arbiter's live map): the others are sessions'."""
+        self._leases = leases
 
     def carry_out(self, effects: Iterable[Any], now: int, slot: GpuSlot | None = None) -> None:
         """Execute effects decided at ``now``; ``slot``: they are that GPU scheduler's."""
@@ -47,7 +47,7 @@ class Effects:
             kind = type(e)
             try:
                 lease_handler = self._lease_handlers.get(kind)
-                if lease_handler is not None and self._is_lease(e.session):
+                if lease_handler is not None and e.session in self._leases:
                     lease_handler(e, now)
                 elif (handler := self._handlers.get(kind)) is not None:
                     handler(e, now)

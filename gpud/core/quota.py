@@ -194,6 +194,11 @@ class ComputeAccounts:
     def has(self, sid: int) -> bool:
         return sid in self._acc
 
+    @property
+    def has_limits(self) -> bool:
+        """Some account has a limit below 100 (only those have budgets to run out)."""
+        return bool(self._limited)
+
     def is_limited(self, sid: int) -> bool:
         return sid in self._limited
 

@@ -386,7 +386,7 @@ class GpuScheduler:
         """When ``advance`` next has something to do, or None."""
         times: list[int] = []
         if self._enabled:
-            blocked = self._blocked_waiter() is not None
+            blocked = bool(self._queue) and self._blocked_waiter() is not None
             for s in self._running.values():
                 if s.lease:
                     if not s.overdue and s.hold_max_us is not None:
@@ -395,7 +395,7 @@ class GpuScheduler:
                     times.append(s.drop_sent_at + self._cfg.drop_timeout_us)
                 elif blocked and not s.tq_dropped:
                     times.append(s.granted_at + self._cfg.tq_us)
-        if (first_wait := self._first_wait()) is not None:  # off, a lease still waits during the restart grace
+        if self._waits and (first_wait := self._first_wait()) is not None:  # off, a lease still waits (restart grace)
             times.append(first_wait[0])
         if self._grants_from is not None and self._queue:
             times.append(self._grants_from)
@@ -555,20 +555,25 @@ class GpuScheduler:
         s.mem_over = over
 
     def _settle(self, now: int) -> list[Effect]:
-        """Apply every rule that is due at ``now``, in order."""
+        """Apply every rule that is due at ``now``, in order. A rule is skipped only when the set
+        it walks is empty (it would find nothing): this runs on every request."""
         effects: list[Effect] = []
         if self._grants_from is not None and now >= self._grants_from:
             self._grants_from = None  # the restart grace is over
         self._acc.settle(now)
-        self._revoke_unresponsive(now, effects)
-        if self._enabled:
-            self._watch_leases(now, effects)
-            self._drop_exhausted(now, effects)
-            self._drop_memory_overflow(now, effects)
-        self._admit(now, effects)
-        if self._expire_waits(now, effects):
+        if self._running:
+            self._revoke_unresponsive(now, effects)
+            if self._enabled:
+                self._watch_leases(now, effects)
+                if self._acc.has_limits:
+                    self._drop_exhausted(now, effects)
+                self._drop_memory_overflow(now, effects)
+        if self._queue:
+            self._admit(now, effects)
+        if self._waits and self._expire_waits(now, effects):
             self._admit(now, effects)  # a waiter that left may have blocked the others
-        self._drop_expired(now, effects)
+        if self._queue:
+            self._drop_expired(now, effects)
         return effects
 
     def _watch_leases(self, now: int, effects: list[Effect]) -> None:
