@@ -167,19 +167,22 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
         except p.FrameTooLarge as exc:
             protocol_error(daemon, conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
             return
-        for payload in [None, *payloads]:  # None: the read itself is a unit of work
-            if payload is not None:
-                if conn.closing:
-                    return
-                if conn.pending_bytes > daemon.config.outbox_high_water_bytes:
-                    await _wait_drained(conn)  # answers pile up unread: read no more until they go
-                    work, turn_began = 0, time.perf_counter()
-                if not handle_payload(daemon, conn, payload, codec):
-                    return
-            work += 1
+        work += 1  # the read itself is a unit of work
+        for payload in payloads:
             if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
                 await trio.lowlevel.checkpoint()  # a client that never pauses must not starve the others
                 work, turn_began = 0, time.perf_counter()
+            if conn.closing:
+                return
+            if conn.pending_bytes > daemon.config.outbox_high_water_bytes:
+                await _wait_drained(conn)  # answers pile up unread: read no more until they go
+                work, turn_began = 0, time.perf_counter()
+            if not handle_payload(daemon, conn, payload, codec):
+                return
+            work += 1
+        if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
+            await trio.lowlevel.checkpoint()
+            work, turn_began = 0, time.perf_counter()
         expect_more = conn.sends != sends_before or len(data) == _READ_BYTES
 
 

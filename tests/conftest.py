@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -32,3 +36,23 @@ def daemon_factory() -> Iterator[Callable[..., DaemonProcess]]:
     finally:
         for d in started:
             d.cleanup()
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def load_bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Import a bench/ script as a module, with bench/ on sys.path for its own imports;
+    both are undone after the test."""
+    monkeypatch.syspath_prepend(str(BENCH))
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

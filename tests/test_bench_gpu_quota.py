@@ -8,11 +8,11 @@ are built by hand in nanoseconds, with answers worked out on paper.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,24 +24,14 @@ BENCH = ROOT / "bench"
 MS = 1_000_000
 
 
-def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def tl(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("gpu_timeline")
 
 
 @pytest.fixture
-def tl(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(BENCH))
-    return _load("gpu_timeline", monkeypatch)
-
-
-@pytest.fixture
-def workers(monkeypatch: pytest.MonkeyPatch, tl: ModuleType) -> ModuleType:
-    return _load("gpu_workers", monkeypatch)
+def workers(load_bench: Callable[[str], ModuleType], tl: ModuleType) -> ModuleType:
+    return load_bench("gpu_workers")
 
 
 def line(tl: ModuleType, *kernels: tuple[int, int]) -> Any:

@@ -7,9 +7,9 @@ sys.path for their own imports (scale imports handoff, handoff imports floor and
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -19,24 +19,13 @@ from gpud import config
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 RECV_TIMEOUT_S = 10.0
 
 
-def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def scale(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(BENCH))
-    _load("handoff", monkeypatch)
-    return _load("scale", monkeypatch)
+def scale(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    load_bench("handoff")
+    return load_bench("scale")
 
 
 def test_the_daemon_config_is_one_gpud_accepts_with_the_caps_and_policies_asked(
@@ -88,9 +77,8 @@ def test_growth_is_the_later_figure_over_the_base(scale: ModuleType) -> None:
 
 
 @pytest.fixture
-def floor(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(BENCH))
-    return _load("floor", monkeypatch)
+def floor(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("floor")
 
 
 @pytest.mark.parametrize("main", ["relay_main", "trio_relay_main"])
