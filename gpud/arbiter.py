@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
-
-from collections.abc import Callable, Iterator
 
 from gpud.access import Access
 from gpud.config import Config
