@@ -79,7 +79,7 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
     if refusal is not None:
         _refuse_connection(daemon, sock.fileno(), creds, *refusal)
         return
-    with trio.CancelScope() as scope:  # cancelled by Daemon.drop: closed at once
+    with trio.CancelScope() as scope:  # cancelled by Links.drop: closed at once
         conn = daemon.links.open(creds, groups, sock.fileno(), scope)
         try:
             async with trio.open_nursery() as nursery:
@@ -216,7 +216,7 @@ def handle_payload(daemon: Daemon, conn: ClientLink, payload: bytes, codec: p.Co
         tag = msg.__struct_config__.tag
         daemon.faults.record("request", exc, client=conn.client_id, pid=conn.pid, type=tag)
         daemon.links.send_error(conn, msg.id, p.ErrorCode.INTERNAL,
-                          f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)")
+                                f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)")
         daemon.check_schedulers()
         return False
     if answer is not None:

@@ -146,7 +146,7 @@ def _show_health(daemon: Daemon, index: int, healthy: bool) -> None:
 
 def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
     """Gauges and per-process memory from healthy readings, at once (health itself
-    is the health rules' to decide: see ``Monitor.carry_out``)."""
+    is the health rules' to decide: see ``Monitor._unhealthy`` and ``_healthy_again``)."""
     m = daemon.metrics.node
     now = daemon.now()
     for r in readings:
