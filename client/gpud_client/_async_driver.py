@@ -199,8 +199,8 @@ class AsyncDriver(ClientBase):
                     self._notify()
                 case ArmIdle(at=at):
                     self._arm_idle(at)
-                case ApplyMemoryLimit(limit=limit):
-                    cap_memory(limit)
+                case ApplyMemoryLimit(session=s, limit=limit):
+                    (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
                 case CallOnDrop() | GiveBack() | CallOnLost():

@@ -151,8 +151,8 @@ class SyncDriver(ClientBase):
                     self._cond.notify_all()
                 case ArmIdle():
                     self._idle_cond.notify()
-                case ApplyMemoryLimit(limit=limit):
-                    cap_memory(limit)
+                case ApplyMemoryLimit(session=s, limit=limit):
+                    (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
                 case CallOnDrop() | GiveBack() | CallOnLost():

@@ -39,7 +39,7 @@ from gpud_client._async_driver import AsyncDriver
 from gpud_client.core import SessionState
 from gpud_client.core.messages import acquire_msg, acquire_timeout, allocate_msg, policy_msg, size
 from gpud_client.errors import LockLost
-from gpud_client.frameworks import default_memory_probe
+from gpud_client.frameworks import default_memory_cap, default_memory_probe
 
 DropHook = Callable[[p.DropReason], Awaitable[None] | None]
 SyncHook = Callable[[], Awaitable[None] | None]
@@ -163,7 +163,7 @@ class AsyncClient(AsyncDriver):
             self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
             on_lost=on_lost, core_limit=core_limit, mem_limit=size(mem_limit), mem_estimate=size(mem_estimate),
             memory_probe=memory_probe or default_memory_probe(framework_hooks), framework_hooks=framework_hooks,
-            task_id=task_id,
+            memory_cap=default_memory_cap(framework_hooks), task_id=task_id,
         )
         await self._request(lambda done: self._core.attach(s, done), "ATTACH", self.request_timeout)
         return s

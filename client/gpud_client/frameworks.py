@@ -64,9 +64,21 @@ def read_memory(probe: Callable[[], int]) -> int | None:
         return None
 
 
-def cap_memory(limit_bytes: int | None) -> None:
-    """Apply a session's new memory limit to PyTorch's allocator; a failure is logged."""
+def cap_memory(limit_bytes: int | None, device: int | None = None) -> None:
+    """Apply a session's new memory limit to PyTorch's allocator on ``device`` (None: the
+    calling thread's current device); a failure is logged."""
     try:
-        apply_torch_memory_limit(limit_bytes)
+        apply_torch_memory_limit(limit_bytes, device)
     except Exception:
         log.exception("could not apply the memory limit to PyTorch")
+
+
+def default_memory_cap(framework_hooks: bool) -> Callable[[int | None], None] | None:
+    """How a session's memory limit caps PyTorch: on the device current in the thread that makes
+    the session, found now. The limit changes later on the client's reader, a thread whose
+    current device is always the first. Without torch loaded yet, on the device current then."""
+    if not framework_hooks:
+        return None
+    torch = loaded_torch_with_cuda()
+    device = None if torch is None else torch.cuda.current_device()
+    return lambda limit: cap_memory(limit, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -212,6 +213,37 @@ def test_pytorch_memory_fraction_follows_the_limit(daemon: DaemonProcess, monkey
         while session_info(daemon, "torchy").mem_used_bytes != 3 * 2**30:  # torch's reserved memory reported
             assert time.monotonic() < deadline
             time.sleep(0.02)
+
+
+class ThreadedCuda(FakeCuda):
+    """CUDA's current device is per thread: a new thread starts on device 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def set_device(self, dev: int) -> None:
+        self.local.device = dev
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+
+def test_a_limit_change_caps_the_device_the_session_was_made_on(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = type(sys)("torch")
+    torch.cuda = cuda = ThreadedCuda()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    cuda.set_device(1)  # the application works on its second device
+    with Client(daemon.socket, name="second-device") as c:
+        s = c.session(0, mem_limit="4GiB")
+        s.set_limits(mem_limit="8GiB")  # applied on the client's reader thread, whose device is 0
+        deadline = time.monotonic() + 5
+        while len(cuda.fractions) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert cuda.fractions == [(0.25, 1), (0.5, 1)]
 
 
 def test_modes_change_at_run_time(daemon: DaemonProcess) -> None:

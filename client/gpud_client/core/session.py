@@ -29,6 +29,7 @@ class SessionState:
         mem_estimate: int | None,
         memory_probe: Callable[[], int] | None,
         framework_hooks: bool,
+        memory_cap: Callable[[int | None], None] | None = None,
         on_drop: Callable[[p.DropReason], Any] | None = None,
         synchronize: Callable[[], Any] | None = None,
         on_lost: Callable[[LockLost], Any] | None = None,
@@ -42,6 +43,7 @@ class SessionState:
         self.mem_estimate = mem_estimate
         self.framework_hooks = framework_hooks
         self.memory_probe = memory_probe
+        self.memory_cap = memory_cap  # applies a new memory limit to the framework's allocator
         self.on_drop = on_drop
         self.synchronize = synchronize
         self.on_lost = on_lost
