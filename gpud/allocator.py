@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import structlog
 
-from gpud.access import Access
 from gpud.config import Config
 from gpud.core.authority import owning_allocation
 from gpud.core.ledger import (
@@ -37,38 +36,30 @@ from gpud.core.ledger import (
     to_fixed,
 )
 from gpud.core.scheduler import Refused
-from gpud.effects import Effects
 from gpud.faults import Faults
-from gpud.links import Links
-from gpud.metrics import Metrics
+from gpud.parts import Part, Pieces
 from gpud.store import Store, StoreError
-from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
+from gpud.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 
 log = structlog.get_logger("gpud.allocator")
 
 
-class Allocator:
+class Allocator(Part):
     """Allocations: ALLOCATE, FREE, LIST_ALLOCATIONS, RESET_ALLOCATIONS, and the answers to
     waiters the ledger serves or expires."""
 
     def __init__(
-        self, slots: list[GpuSlot], refs: GpuRefs, links: Links, effects: Effects, access: Access, metrics: Metrics,
-        faults: Faults, config: Config, cpus: list[int], wake: Callable[[], None],
+        self, pieces: Pieces, faults: Faults, config: Config, cpus: list[int], wake: Callable[[], None],
     ) -> None:
-        self.slots = slots
-        self.refs = refs
-        self.links = links
-        self.effects = effects
-        self.access = access
-        self.metrics = metrics
+        super().__init__(pieces)
         self.faults = faults
         self.config = config
         self.wake = wake  # the allocator timer: a wait's deadline is new
-        effects.on(Served, self._served)
-        effects.on(Expired, self._expired)
-        specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in slots]
+        self.effects.on(Served, self._served)
+        self.effects.on(Expired, self._expired)
+        specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in self.slots]
         self.ledger = Ledger(specs, cpus, tenants=_quotas(config), seed=int.from_bytes(os.urandom(4), "big"),
                              max_waiters=config.max_allocation_waiters)
         try:

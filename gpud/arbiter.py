@@ -19,14 +19,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from gpud.access import Access
 from gpud.config import Config
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Refused, Revoke
-from gpud.effects import Effects
-from gpud.links import Links
 from gpud.metrics import Metrics
-from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
+from gpud.parts import Part, Pieces
+from gpud.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 
@@ -63,20 +61,12 @@ class _Children:
         self.watchdog = m.watchdog.labels(*labels)
 
 
-class Arbiter:
+class Arbiter(Part):
     """Leases: ACQUIRE, RELEASE, LIST_LEASES, SET_POLICY, LIST_POLICIES, REPORT_OOM, and the
     answers the schedulers decide for leases (LEASE_RESULT, LEASE_REVOKED)."""
 
-    def __init__(
-        self, slots: list[GpuSlot], refs: GpuRefs, links: Links, effects: Effects, access: Access, metrics: Metrics,
-        config: Config, ids: Iterator[int], settle: Callable[[int], None],
-    ) -> None:
-        self.slots = slots
-        self.refs = refs
-        self.links = links
-        self.effects = effects
-        self.access = access
-        self.metrics = metrics
+    def __init__(self, pieces: Pieces, config: Config, ids: Iterator[int], settle: Callable[[int], None]) -> None:
+        super().__init__(pieces)
         self.config = config
         self.policies = config.lease_policies()
         self.ids = ids
@@ -87,6 +77,7 @@ class Arbiter:
         self._children: dict[tuple[int, str], _Children] = {}
         self._terms: dict[tuple[object, ...], LeaseTerms] = {}  # emptied when policies change
         self._prime()
+        effects = self.effects
         effects.leases_are(self.by_sid)
         effects.on_lease(Grant, self._granted)
         effects.on_lease(LeaseDenied, self._denied)

@@ -14,15 +14,13 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from gpud.access import Access
 from gpud.core.authority import fraction_ceilings
 from gpud.core.ledger import Allocation
 from gpud.core.scheduler import Drop, Grant, MemOverLimit, Refused, Revoke
-from gpud.effects import Effects
-from gpud.links import Links
 from gpud.logging import debug
 from gpud.metrics import Metrics, session_labels
-from gpud.state import ClientLink, GpuRefs, GpuSlot, Handler
+from gpud.parts import Part, Pieces
+from gpud.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger("gpud.server")
@@ -43,21 +41,16 @@ class _GpuCells:
         self.revocations = {r: m.lock_revocations.labels(gpu, str(r)) for r in p.RevokeReason}
 
 
-class Locks:
+class Locks(Part):
     def __init__(
-        self, slots: list[GpuSlot], refs: GpuRefs, links: Links, effects: Effects, access: Access, metrics: Metrics,
-        ids: Iterator[int], allocation_of: AllocationOf, is_lease: Callable[[int], bool],
+        self, pieces: Pieces, ids: Iterator[int], allocation_of: AllocationOf, is_lease: Callable[[int], bool],
     ) -> None:
-        self.slots = slots
-        self.refs = refs
-        self.links = links
-        self.effects = effects
-        self.access = access
-        self.metrics = metrics
+        super().__init__(pieces)
         self.ids = ids
         self.allocation_of = allocation_of
         self.is_lease = is_lease
-        self._cells = [_GpuCells(metrics, s.gpu.index) for s in slots]
+        self._cells = [_GpuCells(self.metrics, s.gpu.index) for s in self.slots]
+        effects = self.effects
         effects.on(Grant, self._granted)
         effects.on(Drop, self._dropped)
         effects.on(Revoke, self._revoked)

@@ -39,6 +39,7 @@ from gpud.faults import Faults
 from gpud.links import Links
 from gpud.locks import Locks
 from gpud.metrics import Metrics
+from gpud.parts import Pieces
 from gpud.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
 from gpud.views import Views
 from gpud_client import protocol as p
@@ -70,11 +71,10 @@ class Daemon:
         self.access = Access(config)
         ids = itertools.count(1)  # sessions and leases share one id space: ``links.owners`` holds both
         self.allocator_wake = trio.Event()
-        parts = (self.links, self.effects, self.access, metrics)
-        self.allocator = Allocator(self.slots, self.refs, *parts, self.faults, config, sorted(os.sched_getaffinity(0)),
-                                   self.wake_allocator)
-        self.arbiter = Arbiter(self.slots, self.refs, *parts, config, ids, self.settle_all)
-        self.locks = Locks(self.slots, self.refs, *parts, ids, self.allocator.session_allocation, self.arbiter.owns)
+        pieces = Pieces(self.slots, self.refs, self.links, self.effects, self.access, metrics)
+        self.allocator = Allocator(pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocator)
+        self.arbiter = Arbiter(pieces, config, ids, self.settle_all)
+        self.locks = Locks(pieces, ids, self.allocator.session_allocation, self.arbiter.owns)
         self.admin = Admin(self.refs, self.links, self.effects, self.access)
         self.views = Views(self.slots, self.links, self.started_at, self.settle_all)
         self.handlers: dict[type, Handler] = {p.Hello: self.hello}
