@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
@@ -24,6 +25,8 @@ from prometheus_client.metrics_core import (
     CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
 )
 from prometheus_client.utils import floatToGoString
+
+C = TypeVar("C")
 
 
 class CounterCell:
@@ -48,9 +51,6 @@ class GaugeCell:
     def dec(self, amount: float = 1) -> None:
         self.value -= amount
 
-    def set(self, value: float) -> None:
-        self.value = value
-
 
 class HistogramCell:
     __slots__ = ("bounds", "counts", "sum")
@@ -65,56 +65,56 @@ class HistogramCell:
         self.sum += value
 
 
-class _Family(Collector):
-    kind = ""
+class _Family(Collector, Generic[C]):
+    """One metric: its cells by label values, turned into samples when Prometheus scrapes."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._cells: dict[tuple[str, ...], object] = {}
+        self._cells: dict[tuple[str, ...], C] = {}
         registry.register(self)
 
-    def _key(self, values: tuple[object, ...]) -> tuple[str, ...]:
+    def _new(self) -> C:
+        raise NotImplementedError
+
+    def labels(self, *values: object) -> C:
+        """The cell of these label values (made at the first call): look it up once, keep it."""
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name} takes {len(self.labelnames)} label values, not {len(values)}")
-        return tuple(str(v) for v in values)
+        key = tuple(str(v) for v in values)
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = self._new()
+        return cell
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families are created at once with their samples: nothing to check up front
 
 
-class CounterCells(_Family):
-    def labels(self, *values: object) -> CounterCell:
-        key = self._key(values)
-        cell = self._cells.get(key)
-        if cell is None:
-            cell = self._cells[key] = CounterCell()
-        return cell  # type: ignore[return-value]
+class CounterCells(_Family[CounterCell]):
+    def _new(self) -> CounterCell:
+        return CounterCell()
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for key, cell in list(self._cells.items()):
-            family.add_metric(key, cell.value)  # type: ignore[attr-defined]
+            family.add_metric(key, cell.value)
         yield family
 
 
-class GaugeCells(_Family):
-    def labels(self, *values: object) -> GaugeCell:
-        key = self._key(values)
-        cell = self._cells.get(key)
-        if cell is None:
-            cell = self._cells[key] = GaugeCell()
-        return cell  # type: ignore[return-value]
+class GaugeCells(_Family[GaugeCell]):
+    def _new(self) -> GaugeCell:
+        return GaugeCell()
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for key, cell in list(self._cells.items()):
-            family.add_metric(key, cell.value)  # type: ignore[attr-defined]
+            family.add_metric(key, cell.value)
         yield family
 
 
-class HistogramCells(_Family):
+class HistogramCells(_Family[HistogramCell]):
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry, *,
                  buckets: Sequence[float]) -> None:
         bounds = tuple(float(b) for b in buckets if b != float("inf"))
@@ -123,18 +123,14 @@ class HistogramCells(_Family):
         self.bounds = bounds
         super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: object) -> HistogramCell:
-        key = self._key(values)
-        cell = self._cells.get(key)
-        if cell is None:
-            cell = self._cells[key] = HistogramCell(self.bounds)
-        return cell  # type: ignore[return-value]
+    def _new(self) -> HistogramCell:
+        return HistogramCell(self.bounds)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         edges = [*(floatToGoString(b) for b in self.bounds), "+Inf"]  # type: ignore[no-untyped-call]
         for key, cell in list(self._cells.items()):
-            counts, total = list(cell.counts), cell.sum  # type: ignore[attr-defined]
+            counts, total = list(cell.counts), cell.sum
             running, buckets = 0, []
             for edge, n in zip(edges, counts):
                 running += n
