@@ -23,7 +23,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +38,8 @@ if importlib.util.find_spec("airflow") is None:
 from gpud_client import Client
 
 from gpud.spawn import DaemonProcess
+
+from . import waiting
 
 DAGS = Path(__file__).resolve().parent / "airflow_dags"
 FINISHED = {"success", "failed"}
@@ -61,15 +62,9 @@ for line in sys.stdin:
 """
 
 
+
 def eventually(check: Callable[[], Any], what: str, timeout: float = 30.0, why: Callable[[], str] = str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}\n{why()}")
-        time.sleep(0.05)
+    return waiting.eventually(check, what, timeout, why)  # Airflow's steps take seconds
 
 
 class Airflow:

@@ -31,6 +31,7 @@ from gpud_client import protocol as p
 from gpud_client.errors import ProtocolError
 from gpud_client.connection import Connection
 
+from .waiting import eventually
 from .wire import NOBODY, attach, connect, expect
 
 GIB = 2**30
@@ -159,12 +160,6 @@ def config(tmp_path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
 
-
-def eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"still not {what} after {timeout} s"
-        time.sleep(0.02)
 
 
 # --- 1. an admin's limit is a ceiling -----------------------------------------------

@@ -30,6 +30,7 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 
+from . import waiting
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock, wait_queue
 
 Factory = Callable[..., DaemonProcess]
@@ -45,11 +46,9 @@ def start(factory: Factory, tmp_path: Path, *flags: str, toml: str = "", **caps:
     return factory("--simulate", "2x16GiB", "--metrics-addr", "127.0.0.1:0", "--config", str(cfg), *flags)
 
 
-def eventually(check: Callable[[], object], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.01)
+
+def eventually(check: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
+    return waiting.eventually(check, what, timeout)
 
 
 def events(d: DaemonProcess, name: str) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient
 from gpud_client.connection import Connection
 
+from . import waiting
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, take_lock
 
 SESSION_CONNS, SESSIONS_EACH = 20, 50
@@ -84,11 +85,9 @@ class Node:
         return {waiter_name(k) for k in range(WAITER_CONNS)}
 
 
-def eventually(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.02)
+
+def eventually(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    return waiting.eventually(check, what, timeout)
 
 
 def waiting_leases(conn: Connection) -> int:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +22,16 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray cannot be installed on this platform (gpud-client[ray])")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from gpud.spawn import DaemonProcess  # noqa: E402
 from gpud_client import Client, PermissionDenied  # noqa: E402
 from gpud_client.ray import current_sessions, gpud_actor, gpud_slice, gpud_task  # noqa: E402
+
+from .waiting import eventually  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE_PP = 1.5  # the compute-limit accuracy target for these mixes
 REAP_S = 2.0  # longer than Ray takes to retry a crashed task, so a retry meets its crashed attempt's record
 
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
 
 
 def gpuctl(socket: str, *args: str) -> Any:
