@@ -6,7 +6,10 @@ from gpud_client.protocol import ErrorCode
 
 
 class GpudError(Exception):
-    """Base class of every gpud client error."""
+    """Base class of every gpud client error.
+
+    Every one pickles with its fields (``__reduce__`` gives its constructor's arguments), so an error
+    raised in a Ray worker or an Airflow task reaches the driver as itself and ``except`` catches it."""
 
 
 class DaemonUnavailable(GpudError):
@@ -20,6 +23,9 @@ class ProtocolError(GpudError):
         super().__init__(f"{code}: {message}")
         self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
         self.message = message
+
+    def __reduce__(self) -> tuple[type[ProtocolError], tuple[str, str]]:
+        return type(self), (str(self.code), self.message)
 
 
 class PermissionDenied(ProtocolError):
@@ -46,6 +52,9 @@ class LockLost(GpudError):
         self.gpu = gpu
         self.why = why
 
+    def __reduce__(self) -> tuple[type[LockLost], tuple[int, int, str]]:
+        return type(self), (self.session, self.gpu, self.why)
+
 
 class MemoryLimitExceeded(GpudError):
     """The session's reported GPU memory went above its limit.
@@ -59,3 +68,6 @@ class MemoryLimitExceeded(GpudError):
         self.session = session
         self.used_bytes = used_bytes
         self.limit_bytes = limit_bytes
+
+    def __reduce__(self) -> tuple[type[MemoryLimitExceeded], tuple[int, int, int]]:
+        return type(self), (self.session, self.used_bytes, self.limit_bytes)

@@ -717,6 +717,9 @@ class FrameTooLarge(Exception):
         self.length = length
         self.limit = limit
 
+    def __reduce__(self) -> tuple[type[FrameTooLarge], tuple[int, int]]:
+        return type(self), (self.length, self.limit)
+
 
 def frame(payload: bytes) -> bytes:
     """Prefix one encoded message with its length."""
