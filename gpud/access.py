@@ -13,7 +13,8 @@ import msgspec
 import structlog
 
 from gpud.config import Config
-from gpud.core.authority import PriorityRules, check_priority, priority_ceiling
+from gpud.core.authority import PriorityRules, check_priority, lease_priority, priority_ceiling
+from gpud.core.leases import LeasePolicy
 from gpud.core.scheduler import Refused
 from gpud.state import ClientLink
 from gpud_client import protocol as p
@@ -33,6 +34,8 @@ class Access:
             default_max=config.priority_max, by_uid={int(u): cap for u, cap in config.priority_max_uids.items()},
             by_gid=by_gid,
         )
+        rules = self.priority_rules  # nobody's ceiling is below this: a lease at or under it needs no look-up
+        self.lowest_ceiling = min([rules.default_max, *rules.by_uid.values(), *rules.by_gid.values()])
 
     def is_admin(self, conn: ClientLink) -> bool:
         """uid 0, the daemon's own uid, or a member of ``admin_group``."""
@@ -55,6 +58,15 @@ class Access:
         """Refuse a declared priority above the peer's ceiling (none declared: nothing to look up)."""
         if asked is not None:
             check_priority(asked, self.priority_ceiling(conn), what)
+
+
+    def lease_priority(self, conn: ClientLink, task_type: str, policy: LeasePolicy, priority: int) -> int:
+        """What a lease of this peer runs at (``authority.lease_priority``); refuses a reserved type."""
+        if not policy.reserved and priority <= self.lowest_ceiling:
+            return priority
+        groups = conn.groups | {conn.gid}
+        return lease_priority(task_type, policy, priority, conn.uid, groups, admin=self.is_admin(conn),
+                              ceiling=self.priority_ceiling(conn))
 
 
 def group_id(name: str) -> int | None:

@@ -6,8 +6,8 @@ per acquire with its trace (job_id, session_id, utterance_index, stage), its
 status, wait and hold. It never decides anything itself.
 
 Task types are any name a client sends, so metric labels use the name only when
-a policy is configured for it, and ``other`` for the rest: a client sending
-20 000 task types adds no series.
+a policy is configured for it, and ``OTHER`` for the rest, whose policy they
+run under: a client sending 20 000 task types adds no series.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -91,9 +91,9 @@ class Arbiter(Part):
         }
 
     def _prime(self) -> None:
-        """Every (gpu, configured task type or other) has its series from the start."""
+        """Every (gpu, task type with a policy) has its series from the start."""
         for slot in self.slots:
-            for label in [*self.policies, "other"]:
+            for label in self.policies:
                 key = (slot.gpu.index, label)
                 if key not in self._children:
                     self._children[key] = _Children(self.metrics, *key)
@@ -106,8 +106,8 @@ class Arbiter(Part):
         return found
 
     def label(self, task_type: str) -> str:
-        """A task type as a metric label: configured policies by name, the rest ``other``."""
-        return task_type if task_type in self.policies else "other"
+        """A task type as a metric label: configured policies by name, the rest ``OTHER`` (their policy)."""
+        return task_type if task_type in self.policies else "OTHER"
 
     # --- requests -----------------------------------------------------------
 
@@ -129,6 +129,10 @@ class Arbiter(Part):
             )
             if len(self._terms) < 4096:
                 self._terms[key] = terms
+        policy = self.policies.get(msg.task_type) or self.policies["OTHER"]
+        priority = self.access.lease_priority(conn, msg.task_type, policy, terms.priority)
+        if priority != terms.priority:
+            terms = replace(terms, priority=priority)
         sid = next(self.ids)
         rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now,
                           self.label(terms.task_type))
@@ -260,6 +264,7 @@ class Arbiter(Part):
             max_wait_ms=base.max_wait_ms if msg.max_wait_ms is None else msg.max_wait_ms,
             queue_limit=base.queue_limit if msg.queue_limit is None else msg.queue_limit,
             hold_max_ms=base.hold_max_ms if msg.hold_max_ms is None else msg.hold_max_ms,
+            uids=base.uids, gids=base.gids,  # who may use it is the config file's word
         )
         self.policies[msg.task_type] = new
         self._terms.clear()

@@ -48,6 +48,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_wait_ms: Millis
     queue_limit: QueueLimit | None = None
     hold_max_ms: HoldMaxMs | None = None
+    uids: list[int] = []  # with gids: the only non-admins who may use this task type; none listed: anyone,
+    gids: list[int] = []  # at no higher a priority than each may declare
 
 
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,7 +116,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         """The built-in task-type policies with the configured ones on top."""
         merged = dict(DEFAULT_POLICIES)
         for name, pc in self.policies.items():
-            merged[name] = LeasePolicy(pc.priority, pc.busy_policy, pc.max_wait_ms, pc.queue_limit, pc.hold_max_ms)
+            merged[name] = LeasePolicy(pc.priority, pc.busy_policy, pc.max_wait_ms, pc.queue_limit, pc.hold_max_ms,
+                                       frozenset(pc.uids), frozenset(pc.gids))
         return merged
 
 

@@ -6,6 +6,10 @@ Rules kept here:
   highest maximum of its groups, else the node's ``priority_max``. A declared
   priority above that is refused (``permission_denied``), never silently lowered:
   the caller learns its real standing.
+- Naming a task type gives no one more than it may declare: a lease runs at its
+  policy's priority (or the lower one it asked for) cut to the caller's ceiling,
+  unless the policy names the caller among its uids or gids. A policy that names
+  uids or gids is reserved to them (and admins): anyone else is refused.
 - Limits set by an admin or derived from a fractional allocation are ceilings
   (kept by the scheduler, see ``scheduler.py``).
 - A session belongs to a fractional allocation on its GPU when it names the
@@ -23,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpud.core.leases import LeasePolicy
 from gpud.core.ledger import UNIT, Allocation
 from gpud.core.scheduler import Refused
 from gpud_client.protocol import ErrorCode
@@ -54,6 +59,24 @@ def check_priority(asked: int | None, ceiling: int, what: str) -> None:
             ErrorCode.PERMISSION_DENIED,
             f"{what} priority {asked} is above your maximum {ceiling} (priority_max for your uid or group)",
         )
+
+
+def lease_priority(
+    task_type: str, policy: LeasePolicy, priority: int, uid: int, gids: Iterable[int], *, admin: bool, ceiling: int
+) -> int:
+    """The priority a lease of ``task_type`` runs at, ``priority`` being what its terms say; a caller
+    its reserved policy does not name is refused (changes nothing)."""
+    if admin:
+        return priority
+    if policy.reserved:
+        if uid in policy.uids or not policy.gids.isdisjoint(gids):
+            return priority
+        raise Refused(
+            ErrorCode.PERMISSION_DENIED,
+            f"task type {task_type} is reserved for uids {sorted(policy.uids)} and gids {sorted(policy.gids)} "
+            f"(its policy's uids and gids); peer uid {uid} is neither",
+        )
+    return min(priority, ceiling)
 
 
 def owning_allocation(

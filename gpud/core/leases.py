@@ -8,6 +8,8 @@ Rules kept here:
   anything above the policy's value is cut to it. The busy policy is the
   caller's choice (it changes only what the caller itself is answered).
   Any task type name is allowed; an unknown one gets the OTHER policy.
+- A policy may name the uids and gids allowed to use it (``reserved``); who
+  may use a task type, and at what priority, is ``authority.lease_priority``.
 - The answer to a lease that does not get the GPU follows its busy policy:
   FALLBACK_CPU answers FALLBACK_CPU, SKIP and WAIT answer SKIPPED; the reason
   says why (GPU_BUSY: max_wait 0 and not free now; QUEUE_FULL: queue_limit
@@ -33,6 +35,12 @@ class LeasePolicy:
     max_wait_ms: int
     queue_limit: int | None = None
     hold_max_ms: int | None = None
+    uids: frozenset[int] = frozenset()  # with gids: the only non-admins who may use it (none: anyone)
+    gids: frozenset[int] = frozenset()
+
+    @property
+    def reserved(self) -> bool:
+        return bool(self.uids or self.gids)
 
 
 DEFAULT_POLICIES: dict[str, LeasePolicy] = {

@@ -13,6 +13,7 @@ from gpud.core.authority import (
     PriorityRules,
     check_priority,
     fraction_ceilings,
+    lease_priority,
     owning_allocation,
     priority_ceiling,
 )
@@ -259,3 +260,32 @@ def test_the_node_defaults_bound_a_policy_without_its_own() -> None:
 def test_an_unknown_task_type_is_bound_by_other() -> None:
     t = resolve_terms("ANYTHING", POLICIES, priority=99, max_wait_ms=60_000)
     assert (t.task_type, t.priority, t.max_wait_ms) == ("ANYTHING", 50, 3000)
+
+
+# --- who may use a task type, and at what priority ------------------------------------------
+
+OPEN = LeasePolicy(90, BusyPolicy.WAIT, 3000)
+RESERVED = LeasePolicy(90, BusyPolicy.WAIT, 3000, uids=frozenset({1000}), gids=frozenset({20}))
+
+
+def test_naming_a_task_type_gives_no_more_than_the_caller_may_declare() -> None:
+    assert lease_priority("ASR", OPEN, 90, 2000, [], admin=False, ceiling=50) == 50
+    assert lease_priority("ASR", OPEN, 40, 2000, [], admin=False, ceiling=50) == 40  # asked lower: kept
+    assert lease_priority("ASR", OPEN, 90, 2000, [], admin=False, ceiling=95) == 90
+
+
+def test_an_admin_gets_the_policys_priority() -> None:
+    assert lease_priority("ASR", OPEN, 90, 0, [], admin=True, ceiling=ADMIN_PRIORITY) == 90
+    assert lease_priority("ASR", RESERVED, 90, 0, [], admin=True, ceiling=ADMIN_PRIORITY) == 90
+
+
+def test_a_reserved_policy_gives_its_priority_to_the_uids_and_groups_it_names() -> None:
+    assert lease_priority("ASR", RESERVED, 90, 1000, [], admin=False, ceiling=50) == 90
+    assert lease_priority("ASR", RESERVED, 90, 3000, [7, 20], admin=False, ceiling=50) == 90
+
+
+def test_a_reserved_policy_refuses_anyone_else_and_says_who_may_use_it() -> None:
+    with pytest.raises(Refused, match=r"task type ASR is reserved for uids \[1000\] and gids \[20\]") as exc:
+        lease_priority("ASR", RESERVED, 90, 3000, [7], admin=False, ceiling=100)
+    assert exc.value.code == ErrorCode.PERMISSION_DENIED
+    assert "peer uid 3000" in str(exc.value)

@@ -313,6 +313,49 @@ def test_a_lease_asking_above_its_policy_gets_the_policys_priority(
         assert line.result() == "ACQUIRED"
 
 
+def test_naming_a_task_type_gives_no_more_priority_than_the_caller_may_declare(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """ASR's default policy has priority 90, above a non-admin's maximum of 50: a stranger's ASR
+    lease waits at 50; a uid a reserved policy names gets its 90; anyone else is refused it."""
+    users = users_group()
+    cfg = config(tmp_path, '[policies.TTS]\npriority = 70\nbusy_policy = "WAIT"\nmax_wait_ms = 20000\n'
+                           f'gids = [{users.gr_gid}]\n')
+    d = daemon_factory("--simulate", "2", "--config", cfg)
+    holder = connect(d, "holder")
+    held = holder.call(p.Acquire(id=holder.next_id(), gpu=1, task_type="OTHER"))
+    assert held.acquired
+
+    def asks(task_type: str) -> Callable[[Line], list[str]]:
+        def act(line: Line) -> list[str]:
+            conn = connect(d, f"asks-{task_type}")
+            conn.send(p.Acquire(id=conn.next_id(), gpu=1, task_type=task_type, max_wait_ms=20_000))
+            line.say("asked")
+            reply = conn.recv(25)
+            if isinstance(reply, p.Error):
+                return [str(reply.code), reply.message]
+            return [str(reply.status), ""]
+        return act
+
+    def waiting() -> dict[str, int]:
+        leases = holder.call(p.ListLeases(id=holder.next_id())).leases
+        return {le.name: le.priority for le in leases if le.state == "waiting"}
+
+    with user(d, asks("TTS"), uid=OTHER_UID, gid=OTHER_UID, groups=()) as outsider:
+        assert outsider.hear() == "asked"
+        refused = outsider.result()
+    assert refused[0] == "permission_denied"
+    assert f"task type TTS is reserved for uids [] and gids [{users.gr_gid}]" in refused[1]
+    with user(d, asks("ASR"), uid=OTHER_UID, gid=OTHER_UID) as stranger, \
+            user(d, asks("TTS"), uid=OTHER_UID, gid=OTHER_UID, groups=(users.gr_gid,)) as member:
+        assert stranger.hear() == "asked" and member.hear() == "asked"
+        eventually(lambda: len(waiting()) == 2, "two leases waiting", why=lambda: str(waiting()))
+        assert waiting() == {"asks-ASR": 50, "asks-TTS": 70}
+        holder.call(p.Release(id=holder.next_id(), lease_id=held.lease_id))
+        assert member.result() == ["ACQUIRED", ""]  # 70 before 50, though it came later
+        assert stranger.result() == ["ACQUIRED", ""]
+
+
 # --- 4. another uid's task id -------------------------------------------------------------
 
 

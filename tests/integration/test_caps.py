@@ -477,8 +477,9 @@ def test_metric_series_stay_bounded(daemon_factory: Factory, tmp_path: Path) -> 
               p.LeaseResult)
     pipelined(c, [p.ReportOom(id=c.next_id(), gpu=0, task_type=f"T{i}") for i in range(20_000)], p.Ok)
     assert sample_lines(d) - before <= 3
-    assert sample(d, "gpud_gpu_oom_total", gpu="0", task_type="other") == 20_001
-    assert sample(d, "gpud_arbiter_acquire_total", gpu="0", task_type="other", status="SKIPPED") == 20_001
+    assert sample(d, "gpud_gpu_oom_total", gpu="0", task_type="OTHER") == 20_001  # the policy they run under
+    assert sample(d, "gpud_arbiter_acquire_total", gpu="0", task_type="OTHER", status="SKIPPED") == 20_001
+    assert 'task_type="other"' not in scrape(d)  # one label for OTHER, not two
 
     s = connect(d, "gauged")
     sid = str(attach(s, 1))
