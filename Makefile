@@ -1,18 +1,47 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Each bootstraps .venv from the project's own files; nothing else to install.
+# `make install` puts gpud on a node as a systemd service (see the README).
 PYTHON ?= python3
 VENV := .venv
+# The demo needs gpud and its client alone; the tests add Ray, Airflow, pytest and mypy.
+BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
+# setuptools warns at length that an editable install is one; nothing to act on.
+PIP_QUIET := PYTHONWARNINGS='ignore:Editable installation' $(VENV)/bin/python -m pip install --quiet
 
-.PHONY: demo test bench clean
+# Where `make install` puts things. DESTDIR stages the whole tree under another
+# root for packaging; every path written into a file or link is the final one.
+DESTDIR ?=
+PREFIX = /opt/gpud
+BINDIR = /usr/local/bin
+UNITDIR = /etc/systemd/system
+SYSUSERSDIR = /usr/lib/sysusers.d
+TMPFILESDIR = /usr/lib/tmpfiles.d
 
-$(STAMP): pyproject.toml client/pyproject.toml
+VENVDIR = $(DESTDIR)$(PREFIX)
+# What the two builds read: each project's metadata and packages, the README that
+# gpud's metadata names, and the licence files setuptools picks up by name.
+LICENCES = LICEN[CS]E* COPYING* NOTICE* AUTHORS*
+BUILD_SOURCES = pyproject.toml README.md gpud client/pyproject.toml client/gpud_client \
+	$(wildcard $(LICENCES) $(addprefix client/,$(LICENCES)))
+# Local pip config may say more; only the version nag is turned off.
+PIP = PIP_DISABLE_PIP_VERSION_CHECK=1 '$(VENVDIR)/bin/python' -m pip
+
+.PHONY: demo test bench clean install uninstall
+
+$(BASE): pyproject.toml client/pyproject.toml
+	@echo "make: installing gpud and gpud-client into $(VENV) (once; about 20 s)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e './client[ray,airflow]' -e '.[test]'
+	$(PIP_QUIET) -e ./client -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE)
+	@echo "make: installing what the tests need into $(VENV): Ray, Airflow, pytest, mypy (once; about a minute)"
+	$(PIP_QUIET) -e './client[ray,airflow]' -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/python -m gpud.demo
 
 test: $(STAMP)
@@ -23,3 +52,40 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Its own virtual environment, so it works where the system Python refuses pip
+# (PEP 668). pip builds a local project inside its directory, so it builds from
+# a copy of BUILD_SOURCES: `sudo make install` leaves nothing root-owned in the
+# checkout, and no stale build/ from an earlier build reaches the installed package. Runs no
+# systemctl or systemd-sysusers: that is the operator's step (README), and it
+# keeps DESTDIR builds free of side effects on this machine.
+install:
+	@case '$(PREFIX)' in /?*) ;; *) echo 'PREFIX must be an absolute path of its own, e.g. /opt/gpud' >&2; exit 1;; esac
+	umask 022 && $(PYTHON) -m venv '$(VENVDIR)'
+	umask 022 && src=$$(mktemp -d) && trap 'rm -rf "$$src"' EXIT && \
+	  tar -c --exclude=__pycache__ $(BUILD_SOURCES) | tar -x -C "$$src" && \
+	  $(PIP) install --quiet "$$src/client" "$$src"
+# With DESTDIR, the scripts' #! lines, activate* and pyvenv.cfg name the staged path: make them name the final one.
+	if [ -n '$(DESTDIR)' ]; then \
+	  staged=$$(printf '%s\n' '$(VENVDIR)' | sed 's/[][\.*^$$|]/\\&/g'); \
+	  find '$(VENVDIR)/bin' '$(VENVDIR)/pyvenv.cfg' -type f -exec grep -lIF '$(VENVDIR)' {} + \
+	    | while read -r f; do sed -i "s|$$staged|$(PREFIX)|g" "$$f"; done; \
+	fi
+	install -d '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(UNITDIR)' '$(DESTDIR)$(SYSUSERSDIR)' '$(DESTDIR)$(TMPFILESDIR)'
+	ln -sfn '$(PREFIX)/bin/gpud' '$(DESTDIR)$(BINDIR)/gpud'
+	ln -sfn '$(PREFIX)/bin/gpuctl' '$(DESTDIR)$(BINDIR)/gpuctl'
+	install -m644 systemd/gpud.service systemd/gpud.socket '$(DESTDIR)$(UNITDIR)/'
+	sed -i 's|^ExecStart=[^ ]*|ExecStart=$(BINDIR)/gpud|' '$(DESTDIR)$(UNITDIR)/gpud.service'
+	install -m644 systemd/gpud.sysusers.conf '$(DESTDIR)$(SYSUSERSDIR)/gpud.conf'
+	install -m644 systemd/gpud.tmpfiles.conf '$(DESTDIR)$(TMPFILESDIR)/gpud.conf'
+
+# What install made, nothing more: /etc/gpud and /var/lib/gpud (config and
+# allocations) stay. A link is removed only if it is ours.
+uninstall:
+	for name in gpud gpuctl; do \
+	  link='$(DESTDIR)$(BINDIR)'/$$name; \
+	  if [ "$$(readlink "$$link")" = '$(PREFIX)/bin/'$$name ]; then rm -f "$$link"; fi; \
+	done
+	rm -f '$(DESTDIR)$(UNITDIR)/gpud.service' '$(DESTDIR)$(UNITDIR)/gpud.socket'
+	rm -f '$(DESTDIR)$(SYSUSERSDIR)/gpud.conf' '$(DESTDIR)$(TMPFILESDIR)/gpud.conf'
+	case '$(PREFIX)' in /?*) if [ -f '$(VENVDIR)/pyvenv.cfg' ]; then rm -rf '$(VENVDIR)'; fi;; esac
