@@ -138,6 +138,7 @@ class Allocator(Part):
         try:
             alloc = self.ledger.allocate(req, now)
         except Insufficient as short:
+            self._counted("insufficient")
             raise Refused(p.ErrorCode.INSUFFICIENT, short.message) from None
         if alloc is None:
             self.waiters[msg.task_id] = (conn, msg.id, now)
@@ -147,7 +148,13 @@ class Allocator(Part):
         if existing is None:
             self._store(cp, f"task {msg.task_id!r} was not allocated", put=[(alloc, conn.uid)])
             self._made(alloc)
+        self._counted("granted" if existing is None else "repeated")
         return self.answer(msg.id, alloc, 0.0)
+
+    def _counted(self, result: str) -> None:
+        """One request's outcome: granted (at once or after its wait), repeated (the same task's
+        allocation again), insufficient (at once, or when its wait ran out), withdrawn (a wait freed)."""
+        self.metrics.node.allocation_requests.labels(result).inc()
 
     def free(self, conn: ClientLink, msg: p.Free, now: int) -> p.Ok:
         self._free(conn, msg.task_id, now)
@@ -162,6 +169,7 @@ class Allocator(Part):
             if waiter is not conn and not self.access.is_admin(conn):
                 raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} waits for another client")
             self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "the wait was withdrawn")
+            self._counted("withdrawn")
             self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
             return
         self._check_may_free(conn, alloc)
@@ -222,10 +230,12 @@ class Allocator(Part):
         """A waiter the stored change served."""
         conn, rid, since = self.waiters.pop(e.allocation.task_id)
         self._made(e.allocation)
+        self._counted("granted")
         self.links.send(conn, self.answer(rid, e.allocation, (now - since) / 1000))
 
     def _expired(self, e: Expired, now: int) -> None:
         self._answer_error(e.task_id, p.ErrorCode.INSUFFICIENT, f"{e.reason.message} (waited the full wait_ms)")
+        self._counted("insufficient")
 
     # --- answers ------------------------------------------------------------
 

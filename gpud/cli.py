@@ -1,25 +1,58 @@
 """`gpuctl`: the command line of gpud. Tables for people, --json for scripts.
 
 Finds the daemon like everything else does: --socket, else $GPUD_SOCKET, else
-/run/gpud/gpud.sock. Every error names the problem and exits non-zero
-(1: the daemon refused or is unreachable, 2: bad usage).
+/run/gpud/gpud.sock. Every error names the problem and exits non-zero: 1 when the
+daemon refused or is unreachable, 2 for bad usage. Bad usage is found before
+anything is sent: each value is checked against the protocol's own types (so gpuctl
+keeps no copy of a limit), and its message names the flag and the unit. With --json,
+errors are JSON too: one line ``{"error": {"code": ..., "message": ...}}`` on stderr,
+with the same exit codes (code "usage" for bad usage, "unavailable" when the daemon
+cannot be reached, else the daemon's error code); stdout stays empty.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from typing import Any, NoReturn, TypeVar, get_args
 
 import msgspec
 
+from gpud.core.ledger import to_fixed
+from gpud.core.scheduler import Refused
+from gpud.top import gpu_memory, gpu_mode, reserve_note, run as run_top
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from gpud_client.errors import GpudError
+from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.units import format_bytes, parse_bytes, printable
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+class UsageError(Exception):
+    """Bad input on the command line: exit 2, before anything is sent."""
+
+    def __init__(self, message: str, usage: str = "", prog: str = "gpuctl") -> None:
+        super().__init__(message)
+        self.message, self.usage, self.prog = message, usage, prog
+
+
+class Failed(GpudError):
+    """gpuctl's own refusal of an answer (exit 1), with a code for --json."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _ShowVersion(Exception):
+    """--version was given: main prints the versions (as JSON with --json)."""
 
 
 def _connect(args: argparse.Namespace) -> Connection:
@@ -59,16 +92,16 @@ def render_status(reply: p.StatusReply) -> str:
             [
                 str(g.index),
                 g.name + (" (sim)" if g.simulated and "Simulated" not in g.name else ""),
-                (g.mode if g.scheduler_on else "off") + ("" if g.healthy else " UNHEALTHY"),
+                gpu_mode(g) + ("" if g.healthy else " UNHEALTHY"),
                 f"{g.tq_s:g}s",
-                f"{format_bytes(g.memory_in_use_bytes)}/{format_bytes(g.memory_capacity_bytes)}",
+                gpu_memory(g),
                 holder or "-",
                 queue or "-",
                 str(g.clients),
             ]
         )
-    head = f"gpud {reply.version}, up {reply.uptime_s:.0f}s, {len(reply.gpus)} GPU(s)"
-    return head + "\n" + _table(rows, ["GPU", "NAME", "MODE", "TQ", "MEMORY", "HOLDER", "QUEUE", "CLIENTS"])
+    head = f"gpud {reply.version}, up {reply.uptime_s:.0f}s, {len(reply.gpus)} GPU(s); {reserve_note(reply.gpus)}"
+    return head + "\n" + _table(rows, ["GPU", "NAME", "MODE", "TQ", "MEMORY USED/USABLE", "HOLDER", "QUEUE", "CLIENTS"])
 
 
 def _limit(s: p.SessionInfo) -> str:
@@ -154,26 +187,25 @@ def _cpuset(cpus: list[int]) -> str:
     return ",".join(map(str, cpus)) or "-"
 
 
-def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str) -> None:
+def alloc_env(reply: p.Allocated) -> dict[str, str]:
+    """What a task runs with: its devices, in gpud's (PCI bus) order, and its CPU cores."""
+    return {
+        "CUDA_VISIBLE_DEVICES": reply.cuda_visible_devices,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # gpud's indices are NVML's, in PCI bus order; CUDA's default may differ
+        "GPUD_TASK_ID": reply.task_id,
+        "GPUD_GPU_SHARE": f"{reply.share:g}",
+        "GPUD_CPUS": _cpuset(reply.cpus) if reply.cpus else "",
+    }
+
+
+def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str, **extra: Any) -> None:
     if args.json:
         data = msgspec.to_builtins(obj)
         data.pop("id", None)
         data.pop("type", None)
-        print(json.dumps(data, indent=2))
+        print(json.dumps({**data, **extra}, indent=2))
     else:
         print(text)
-
-
-def cmd_status(args: argparse.Namespace) -> None:
-    with _connect(args) as conn:
-        reply = conn.call(p.Status(id=conn.next_id()))
-    _emit(args, reply, render_status(reply))
-
-
-def cmd_clients(args: argparse.Namespace) -> None:
-    with _connect(args) as conn:
-        reply = conn.call(p.ListClients(id=conn.next_id()))
-    _emit(args, reply, render_clients(reply))
 
 
 def _done(args: argparse.Namespace, what: str, **fields: Any) -> None:
@@ -183,27 +215,64 @@ def _done(args: argparse.Namespace, what: str, **fields: Any) -> None:
         print(what)
 
 
-def cmd_tq(args: argparse.Namespace) -> None:
-    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
+# The flag (or argument) each request field comes from, for messages.
+_FLAGS = {
+    "task_id": "--task", "gpus": "--gpus", "cpus": "--cpus", "prefer": "--prefer", "strategy": "--strategy",
+    "tenant": "--tenant", "priority": "--priority", "priority_class": "--priority", "wait_ms": "--wait",
+    "owner_pid": "--owner-pid", "seconds": "SECONDS", "gpu": "--gpu", "client": "CLIENT", "core_limit": "--core",
+    "mem_limit": "--mem", "task_type": "TASK_TYPE", "max_wait_ms": "--max-wait", "queue_limit": "--queue-limit",
+    "hold_max_ms": "--hold-max", "busy_policy": "--busy", "mode": "MODE",
+}
+
+
+def _message(cls: type[M], **fields: Any) -> M:
+    """The request as the protocol's own types check it, before anything is sent: a value they
+    refuse is bad usage, named by its flag."""
+    try:
+        return msgspec.convert({"id": 0, **fields}, cls)
+    except msgspec.ValidationError as exc:
+        field = re.search(r"\$\.(\w+)", str(exc))
+        name = field.group(1) if field else ""
+        raise UsageError(f"argument {_FLAGS.get(name, name or 'value')}: {exc}") from None
+
+
+def _call(args: argparse.Namespace, msg: msgspec.Struct, timeout: float = 10.0) -> Any:
     with _connect(args) as conn:
-        conn.call(p.SetTq(id=conn.next_id(), seconds=args.seconds, gpu=gpu))
-    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
-    _done(args, f"time quantum set to {args.seconds:g}s on {where}", tq_s=args.seconds, gpu=gpu)
+        return conn.call(msgspec.structs.replace(msg, id=conn.next_id()), timeout=timeout)
+
+
+def _where(gpu: int | str | None) -> str:
+    return "every GPU" if gpu is None else f"GPU {gpu}"
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    reply = _call(args, p.Status(id=0))
+    _emit(args, reply, render_status(reply))
+
+
+def cmd_clients(args: argparse.Namespace) -> None:
+    reply = _call(args, p.ListClients(id=0))
+    _emit(args, reply, render_clients(reply))
+
+
+def cmd_tq(args: argparse.Namespace) -> None:
+    _call(args, _message(p.SetTq, seconds=args.seconds, gpu=args.gpu))
+    _done(args, f"time quantum set to {args.seconds:g}s on {_where(args.gpu)}", tq_s=args.seconds, gpu=args.gpu)
 
 
 def cmd_sched(args: argparse.Namespace) -> None:
-    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
     on = args.state == "on"
-    with _connect(args) as conn:
-        msg = p.SchedOn(id=conn.next_id(), gpu=gpu) if on else p.SchedOff(id=conn.next_id(), gpu=gpu)
-        conn.call(msg)
-    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
-    _done(args, f"scheduler {args.state} on {where}", scheduler_on=on, gpu=gpu)
+    _call(args, _message(p.SchedOn if on else p.SchedOff, gpu=args.gpu))
+    _done(args, f"scheduler {args.state} on {_where(args.gpu)}", scheduler_on=on, gpu=args.gpu)
+
+
+def cmd_mode(args: argparse.Namespace) -> None:
+    _call(args, _message(p.SetMode, mode=args.mode, gpu=args.gpu))
+    _done(args, f"mode {args.mode} on {_where(args.gpu)}", mode=args.mode, gpu=args.gpu)
 
 
 def cmd_leases(args: argparse.Namespace) -> None:
-    with _connect(args) as conn:
-        reply = conn.call(p.ListLeases(id=conn.next_id()))
+    reply = _call(args, p.ListLeases(id=0))
     _emit(args, reply, render_leases(reply))
 
 
@@ -213,52 +282,108 @@ def cmd_policy(args: argparse.Namespace) -> None:
         "queue_limit": args.queue_limit, "hold_max_ms": args.hold_max,
     }
     changes = {k: v for k, v in fields.items() if v is not None}
+    if changes and args.task_type is None:
+        raise UsageError("name the task type whose policy to change, e.g. gpuctl policy ASR --max-wait 2000")
+    change = _message(p.SetPolicy, task_type=args.task_type, **changes) if changes else None
     with _connect(args) as conn:
-        if changes:
-            if args.task_type is None:
-                raise GpudError("name the task type whose policy to change, e.g. gpuctl policy ASR --max-wait 2000")
-            conn.call(p.SetPolicy(id=conn.next_id(), task_type=args.task_type, **changes))
+        if change is not None:
+            conn.call(msgspec.structs.replace(change, id=conn.next_id()))
         reply = conn.call(p.ListPolicies(id=conn.next_id()))
     if args.task_type is not None and not changes and args.task_type not in reply.policies:
-        raise GpudError(f"no policy for task type {args.task_type!r} (it would use OTHER's)")
+        raise Failed("unknown_task_type", f"no policy for task type {args.task_type!r} (it would use OTHER's)")
     if args.task_type is not None:
         reply = p.PoliciesReply(id=reply.id, policies={args.task_type: reply.policies[args.task_type]})
     _emit(args, reply, render_policies(reply))
 
 
 def cmd_alloc(args: argparse.Namespace) -> None:
-    prefer = [_gpu_ref(x) for x in args.prefer.split(",")] if args.prefer else []
+    if args.gpus == 0 and args.cpus == 0:
+        raise UsageError("argument --gpus: 0 asks for no GPU: add --cpus N for CPU cores alone, "
+                         "or ask for --gpus 1 or a fraction such as 0.5")
     priority: int | str | None = args.priority
-    msg = p.Allocate(
-        id=0, task_id=args.task, gpus=args.gpus, cpus=args.cpus, prefer=prefer, strategy=p.Strategy(args.strategy),
+    msg = _message(
+        p.Allocate, task_id=args.task, gpus=args.gpus, cpus=args.cpus, prefer=args.prefer, strategy=args.strategy,
         tenant=args.tenant, priority=priority if isinstance(priority, int) else None,
-        priority_class=p.PriorityClass(priority) if isinstance(priority, str) else None,
-        wait_ms=round(args.wait * 1000), owner_pid=args.owner_pid,
+        priority_class=priority if isinstance(priority, str) else None, wait_ms=args.wait_ms,
+        owner_pid=args.owner_pid,
     )
-    with _connect(args) as conn:
-        reply = conn.call(msgspec.structs.replace(msg, id=conn.next_id()), timeout=args.wait + 30)
+    reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
+    env = alloc_env(reply)
     if args.json:
-        _emit(args, reply, "")
-        return
-    env = {
-        "CUDA_VISIBLE_DEVICES": reply.cuda_visible_devices,
-        "GPUD_TASK_ID": reply.task_id,
-        "GPUD_GPU_SHARE": f"{reply.share:g}",
-        "GPUD_CPUS": _cpuset(reply.cpus) if reply.cpus else "",
-    }
-    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+        _emit(args, reply, "", env=env)
+    else:
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
 
 
 def cmd_free(args: argparse.Namespace) -> None:
-    with _connect(args) as conn:
-        conn.call(p.Free(id=conn.next_id(), task_id=args.task))
+    _call(args, _message(p.Free, task_id=args.task))
     _done(args, f"freed the allocation of task {args.task}", task_id=args.task)
 
 
 def cmd_allocs(args: argparse.Namespace) -> None:
-    with _connect(args) as conn:
-        reply = conn.call(p.ListAllocations(id=conn.next_id()))
+    reply = _call(args, p.ListAllocations(id=0))
     _emit(args, reply, render_allocs(reply))
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    return run_top(args.socket, args.interval, as_json=args.json, count=args.count)
+
+
+def cmd_limit(args: argparse.Namespace) -> None:
+    if args.core is None and args.mem is None:
+        raise UsageError("nothing to change: give --core PERCENT and/or --mem SIZE", prog="gpuctl limit")
+    msg = _message(p.SetLimits, client=args.client, gpu=args.gpu, core_limit=args.core, mem_limit=args.mem)
+    reply = _call(args, msg)
+    what = ", ".join(
+        x for x in (
+            None if args.core is None else f"core {args.core}%",
+            None if args.mem is None else ("memory unlimited" if args.mem == 0 else f"memory {format_bytes(args.mem)}"),
+        ) if x
+    )
+    _done(args, f"{what} for client {args.client}, session(s) {', '.join(map(str, reply.sessions))}",
+          client=args.client, sessions=reply.sessions, core_limit=args.core, mem_limit=args.mem)
+
+
+# --- checking what gpuctl is given: argparse names the flag, each message the bounds and unit ---
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if x == int(x) else f"{x:g}"
+
+
+def _bounds(limit: Any, scale: float = 1) -> str:
+    meta = get_args(limit)[1]
+    return f"{_num(meta.ge / scale)}..{_num(meta.le / scale)}"
+
+
+def _limited(limit: Any, parse: Callable[[str], float], unit: str = "", *, what: str = "",
+             scale: int = 1) -> Callable[[str], Any]:
+    """An argparse type held to one of the protocol's limits, so gpuctl keeps no copy of them.
+    ``scale``: the protocol's units per the flag's (1000: the flag is in seconds, the wire in ms)."""
+    subject = f"{what} " if what else ""
+    unit = f" {unit}" if unit else ""
+    whole = " (a whole number)" if parse is int else ""
+
+    def check(text: str) -> Any:
+        try:
+            value = parse(text)
+            return msgspec.convert(value if scale == 1 else round(value * scale), limit)
+        except msgspec.ValidationError:  # a ValueError too: first
+            raise argparse.ArgumentTypeError(f"{subject}must be {_bounds(limit, scale)}{unit}, got {text}") from None
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{subject}must be {_bounds(limit, scale)}{unit}{whole}, got {text!r}") from None
+
+    return check
+
+
+_priority = _limited(p.Priority, int)
+_core_percent = _limited(p.CoreLimit, int, "percent of GPU time")
+_max_wait = _limited(p.Millis, int, "milliseconds")
+_hold_max = _limited(p.HoldMaxMs, int, "milliseconds")
+_queue_limit = _limited(p.QueueLimit, int, "waiting requests")
+_cpus = _limited(p.CpuCount, int, "CPU cores")
+_wait = _limited(p.Millis, float, "seconds", scale=1000)  # -> milliseconds, as the wire has them
+_tq = _limited(p.Seconds, float, "seconds", what="the time quantum")
 
 
 def _priority_arg(text: str) -> int | str:
@@ -268,85 +393,115 @@ def _priority_arg(text: str) -> int | str:
         return int(_priority(text))
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"priority must be {_bounds(p.Priority)} or production, high, normal, best-effort; got {text!r}"
+            f"must be {_bounds(p.Priority)} or production, high, normal, best-effort; got {text!r}"
         ) from None
 
 
-def _gpu_count(text: str) -> float:
+def _gpus(text: str) -> float:
+    """A whole number of GPUs >= 1 or a fraction of one, exact to the ledger's 1/10000 (0: CPU cores alone)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of GPUs: {text!r}") from None
+        value = float("nan")
+    if not (value >= 1 and value.is_integer() or 0 <= value < 1):  # nan and inf fail both
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of GPUs >= 1 or a fraction 0 < x < 1 of one GPU, got {text!r}")
+    try:
+        msgspec.convert(value, p.Gpus)
+        to_fixed(value)
+    except msgspec.ValidationError:
+        raise argparse.ArgumentTypeError(f"must be at most {_num(get_args(p.Gpus)[1].le)} GPUs, got {text}") from None
+    except Refused as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
 
 
-def _bounds(limit: Any) -> str:
+def _owner_pid(text: str) -> int:
+    """A process of this machine: the daemon reclaims the allocation of a dead owner at once."""
+    try:
+        pid: int = msgspec.convert(int(text), p.Pid)
+    except (ValueError, msgspec.ValidationError):
+        raise argparse.ArgumentTypeError(f"must be a process id {_bounds(p.Pid)}, got {text!r}") from None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise argparse.ArgumentTypeError(
+            f"no process {pid} on this machine: gpud would reclaim the allocation at once") from None
+    except PermissionError:
+        pass  # it exists, as another user's
+    return pid
+
+
+def _char(c: str) -> str:
+    if c == " ":
+        return "a space"
+    return f"a control character ({printable(c)})" if printable(c) != c else repr(c)
+
+
+def _text(limit: Any, noun: str) -> Callable[[str], str]:
+    """An argparse type for a name whose length and characters the protocol limits."""
     meta = get_args(limit)[1]
-    return f"{meta.ge}..{meta.le}"
+    allowed = re.fullmatch(r"\^\[(A-Za-z0-9)?([^]^][^]]*)\]\+\$", meta.pattern)
+    hint = f" (allowed: {'letters, digits and ' if allowed[1] else ''}{allowed[2]})" if allowed else ""
 
-
-def _limited(limit: Any, parse: Callable[[str], float], noun: str, name: str) -> Callable[[str], Any]:
-    """An argparse type held to one of the protocol's limits, so gpuctl keeps no copy of them."""
-
-    def check(text: str) -> Any:
+    def check(text: str) -> str:
         try:
-            return msgspec.convert(parse(text), limit)
+            return str(msgspec.convert(text, limit))
         except msgspec.ValidationError:
-            raise argparse.ArgumentTypeError(f"{name} must be {_bounds(limit)}, got {text}") from None
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+            pass
+        if not text:
+            raise argparse.ArgumentTypeError(f"{noun} must not be empty")
+        if meta.max_length is not None and len(text) > meta.max_length:
+            raise argparse.ArgumentTypeError(f"{noun} must be at most {meta.max_length} characters, got {len(text)}")
+        bad = next((c for c in text if not re.fullmatch(meta.pattern, c)), None)
+        what = f"may not contain {_char(bad)}" if bad else f"must match {meta.pattern}"
+        raise argparse.ArgumentTypeError(f"{noun} {what}, got {printable(text)!r}{hint}")
 
     return check
 
 
-_priority = _limited(p.Priority, int, "a whole number", "priority")
-_core_percent = _limited(p.CoreLimit, int, "a whole percentage", "core limit")
-_max_wait = _limited(p.Millis, int, "a whole number of milliseconds", "milliseconds")
-_hold_max = _limited(p.HoldMaxMs, int, "a whole number of milliseconds", "milliseconds")
+_task_id = _text(p.TaskId, "a task id")
+_task_type = _text(p.TaskType, "a task type")
+_tenant = _text(p.Name, "a tenant name")
 
 
-def cmd_top(args: argparse.Namespace) -> None:
-    from gpud.top import run
+def _ref(limit: Any, what: str) -> Callable[[str], int | str]:
+    """An argparse type for a number or a name (a GPU, a client), held to the protocol's type."""
 
-    raise SystemExit(run(args.socket, args.interval))
+    def check(text: str) -> int | str:
+        try:
+            ref: int | str = msgspec.convert(_gpu_ref(text), limit)
+        except msgspec.ValidationError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(text)!r}") from None
+        return ref
+
+    return check
 
 
-def cmd_mode(args: argparse.Namespace) -> None:
-    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
-    with _connect(args) as conn:
-        conn.call(p.SetMode(id=conn.next_id(), mode=p.Mode(args.mode), gpu=gpu))
-    where = "every GPU" if gpu is None else f"GPU {args.gpu}"
-    _done(args, f"mode {args.mode} on {where}", mode=args.mode, gpu=gpu)
+_gpu_arg = _ref(p.GpuRef, f"a GPU index 0..{p.MAX_GPUS - 1}, gpu:N or a GPU's UUID")
+_client_arg = _ref(p.ClientRef, "a client id (1 or more) or a client name (printable)")
 
 
-def cmd_limit(args: argparse.Namespace) -> None:
-    if args.core is None and args.mem is None:
-        raise GpudError("nothing to change: give --core PERCENT and/or --mem SIZE")
-    client: int | str = int(args.client) if args.client.isdigit() else args.client
-    gpu = None if args.gpu is None else _gpu_ref(args.gpu)
-    with _connect(args) as conn:
-        reply = conn.call(
-            p.SetLimits(id=conn.next_id(), client=client, gpu=gpu, core_limit=args.core, mem_limit=args.mem)
-        )
-    what = ", ".join(
-        x for x in (
-            None if args.core is None else f"core {args.core}%",
-            None if args.mem is None else ("memory unlimited" if args.mem == 0 else f"memory {format_bytes(args.mem)}"),
-        ) if x
-    )
-    _done(args, f"{what} for client {args.client}, session(s) {', '.join(map(str, reply.sessions))}",
-          client=client, sessions=reply.sessions, core_limit=args.core, mem_limit=args.mem)
+def _prefer_arg(text: str) -> list[int | str]:
+    return [_gpu_arg(x) for x in text.split(",")]
 
 
 def _size_arg(text: str) -> int:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} is negative, and negative sizes are not allowed (0 lifts the limit)")
     try:
-        return parse_bytes(text)
+        size: int = msgspec.convert(parse_bytes(text), p.Bytes)
+    except msgspec.ValidationError:  # a ValueError too: first
+        raise argparse.ArgumentTypeError(f"must be {_bounds(p.Bytes)} bytes, got {text}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return size
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
 
 
@@ -360,87 +515,157 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+# --- the parser ---------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing and exiting, so main answers it (in
+    JSON with --json); it takes '-1GiB' or '-3' as a value, so that value's check names it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self.format_usage(), self.prog)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise _ShowVersion
+
+
+def versions() -> dict[str, str | int]:
+    """gpuctl's (the gpud distribution's), gpud-client's and the wire protocol's."""
+
+    def of(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {"gpuctl": of("gpud"), "gpud": of("gpud"), "gpud_client": of("gpud-client"), "protocol": p.PROTOCOL_VERSION}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     # SUPPRESS: an option given before or after the command both count.
     common.add_argument(
         "--socket", default=argparse.SUPPRESS, help="gpud socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)"
     )
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
-    ap = argparse.ArgumentParser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output; errors as JSON on stderr")
+    ap = _Parser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
+    ap.add_argument("--version", action=_Version, help="print gpuctl's, gpud's and gpud-client's versions")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[common], help="per GPU: mode, TQ, holder, queue, clients").set_defaults(
         func=cmd_status
     )
     top = sub.add_parser("top", parents=[common], help="live view of GPUs, sessions and leases (q to quit)")
     top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS")
+    top.add_argument("--count", type=_count, metavar="N", help="stop after N refreshes (default: until q)")
     top.set_defaults(func=cmd_top)
     sub.add_parser("clients", parents=[common], help="connected clients and their sessions").set_defaults(
         func=cmd_clients
     )
+    gpu_help = "index, gpu:N or UUID (default: every GPU)"
     tq = sub.add_parser("tq", parents=[common], help="set the time quantum (admin)")
-    tq.add_argument("seconds", type=_positive_seconds)
-    tq.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    tq.add_argument("seconds", type=_tq, metavar="SECONDS", help=f"{_bounds(p.Seconds)} seconds")
+    tq.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
     tq.set_defaults(func=cmd_tq)
     sched = sub.add_parser("sched", parents=[common], help="turn the scheduler on or off (admin)")
     sched.add_argument("state", choices=["on", "off"])
-    sched.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    sched.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
     sched.set_defaults(func=cmd_sched)
     mode = sub.add_parser("mode", parents=[common], help="serial, concurrent or auto admission (admin)")
     mode.add_argument("mode", choices=[m.value for m in p.Mode])
-    mode.add_argument("--gpu", help="index, gpu:N or UUID (default: every GPU)")
+    mode.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
     mode.set_defaults(func=cmd_mode)
     limit = sub.add_parser("limit", parents=[common], help="a client's compute/memory limits (admin for others)")
-    limit.add_argument("client", help="client id or name (see gpuctl clients)")
+    limit.add_argument("client", type=_client_arg, metavar="CLIENT", help="client id or name (see gpuctl clients)")
     limit.add_argument(
         "--core", type=_core_percent, metavar="PERCENT", help=f"{_bounds(p.CoreLimit)} percent of GPU time"
     )
     limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
-    limit.add_argument("--gpu", help="only the session on this GPU")
+    limit.add_argument("--gpu", type=_gpu_arg, help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
     alloc = sub.add_parser("alloc", parents=[common], help="assign GPUs/CPU cores to a task; prints shell exports")
-    alloc.add_argument("--task", required=True, help="the task id (the same id again: the same allocation)")
-    alloc.add_argument("--gpus", type=_gpu_count, default=1.0, help="whole number >= 1, or a fraction < 1 (default 1)")
-    alloc.add_argument("--cpus", type=_count, default=0, help="CPU cores (default 0)")
-    alloc.add_argument("--prefer", help="GPUs to try first, e.g. 2,3")
+    alloc.add_argument("--task", type=_task_id, required=True,
+                       help="the task id (the same id with the same terms again: the same allocation)")
+    alloc.add_argument("--gpus", type=_gpus, default=1.0,
+                       help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1)")
+    alloc.add_argument("--cpus", type=_cpus, default=0, help="CPU cores (default 0)")
+    alloc.add_argument("--prefer", type=_prefer_arg, default=[], help="GPUs to try first, e.g. 2,3")
     alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
-    alloc.add_argument("--tenant")
+    alloc.add_argument("--tenant", type=_tenant)
     alloc.add_argument(
         "--priority", type=_priority_arg, help=f"{_bounds(p.Priority)} or production|high|normal|best-effort"
     )
-    alloc.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for room")
-    alloc.add_argument("--owner-pid", type=int, help="reclaim the allocation when this process dies")
+    alloc.add_argument("--wait", dest="wait_ms", type=_wait, default=0, metavar="SECONDS",
+                       help=f"wait up to this long for room ({_bounds(p.Millis, 1000)} seconds)")
+    alloc.add_argument("--owner-pid", type=_owner_pid, metavar="PID",
+                       help="reclaim the allocation when this process (of this machine) dies")
     alloc.set_defaults(func=cmd_alloc)
     free = sub.add_parser("free", parents=[common], help="release a task's allocation")
-    free.add_argument("--task", required=True)
+    free.add_argument("--task", type=_task_id, required=True)
     free.set_defaults(func=cmd_free)
     sub.add_parser("allocs", parents=[common], help="allocations, per-GPU shares, CPU cores, tenants").set_defaults(
         func=cmd_allocs
     )
     sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
-    pol.add_argument("task_type", nargs="?", help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")
+    pol.add_argument("task_type", type=_task_type, nargs="?", metavar="TASK_TYPE",
+                     help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")
     pol.add_argument("--priority", type=_priority, metavar=_bounds(p.Priority))
     pol.add_argument("--busy", choices=[b.value for b in p.BusyPolicy], help="busy policy")
     pol.add_argument("--max-wait", type=_max_wait, metavar="MS")
-    pol.add_argument("--queue-limit", type=_count, metavar="N")
+    pol.add_argument("--queue-limit", type=_queue_limit, metavar="N")
     pol.add_argument("--hold-max", type=_hold_max, metavar="MS")
     pol.set_defaults(func=cmd_policy)
     return ap
 
 
+def _fail(as_json: bool, code: str, message: str, status: int, text: str) -> int:
+    if as_json:
+        print(json.dumps({"error": {"code": code, "message": message}}), file=sys.stderr)
+    else:
+        print(text, file=sys.stderr)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.socket = getattr(args, "socket", None)
-    args.json = getattr(args, "json", False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv  # known before parsing: a usage error is answered in JSON too
     try:
-        args.func(args)
+        args = build_parser().parse_args(argv)
+        args.socket = getattr(args, "socket", None)
+        args.json = getattr(args, "json", False)
+        return int(args.func(args) or 0)
+    except _ShowVersion:
+        v = versions()
+        print(json.dumps(v) if as_json else
+              f"gpuctl {v['gpuctl']} (gpud {v['gpud']}), gpud-client {v['gpud_client']}, protocol {v['protocol']}")
+        return 0
+    except UsageError as exc:
+        return _fail(as_json, "usage", exc.message, 2, f"{exc.usage}{exc.prog}: error: {exc.message}")
+    except ProtocolError as exc:
+        return _fail(as_json, str(exc.code), exc.message, 1, f"gpuctl: {exc}")
+    except DaemonUnavailable as exc:
+        return _fail(as_json, "unavailable", str(exc), 1, f"gpuctl: {exc}")
+    except Failed as exc:
+        return _fail(as_json, exc.code, str(exc), 1, f"gpuctl: {exc}")
     except GpudError as exc:
-        print(f"gpuctl: {exc}", file=sys.stderr)
+        return _fail(as_json, "error", str(exc), 1, f"gpuctl: {exc}")
+    except TimeoutError as exc:
+        return _fail(as_json, "timeout", str(exc), 1, f"gpuctl: {exc}")
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): no second error when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except BrokenPipeError:
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

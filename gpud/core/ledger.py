@@ -10,7 +10,14 @@ Rules kept here:
   nothing. ``prefer`` is tried first, then the strategy orders the rest.
 - CPU cores are explicit core ids; cores on the NUMA node of the chosen GPUs
   come first when the node is known.
-- The same task id twice is the same allocation (idempotent).
+- The same task id twice is the same allocation (idempotent) when it asks for
+  the same terms: GPUs, CPU cores, tenant, priority and owner pid. Different
+  terms are refused, naming each difference, whether the id holds an
+  allocation or waits for one: answering with the old allocation would hand
+  the caller something it did not ask for. ``prefer``, ``strategy`` and the
+  wait only say where to place and how long to wait, so they are not terms.
+  One request per task id waits at a time: a second while the first waits is
+  refused, the same terms or not.
 - Tenants: a tenant may use its quota plus borrowed idle quota of the other
   tenants, up to its borrow bound.
 - Not enough now: ``Insufficient`` naming what was short, or, with a wait, a
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +100,51 @@ def to_fixed(gpus: float) -> int:
     if abs(gpus * UNIT - fixed) > 1e-6:
         raise Refused(ErrorCode.INVALID, f"gpus {gpus} is finer than 1/{UNIT} of a GPU")
     return fixed
+
+
+def _gpus_text(fixed: int) -> str:
+    if fixed == 0:
+        return "no GPU"
+    if fixed < UNIT:
+        return f"{fixed / UNIT:g} of a GPU"
+    return f"{fixed / UNIT:g} GPU" + ("" if fixed == UNIT else "s")
+
+
+# The terms of a request: what a repeat must ask for again to be answered with the same allocation,
+# each with how a message says it.
+_TERM_TEXT: dict[str, Callable[[Any], str]] = {
+    "gpus": _gpus_text,
+    "cpus": lambda v: "no CPU core" if v == 0 else f"{v} CPU core" + ("s" if v > 1 else ""),
+    "tenant": lambda v: "no tenant" if v is None else f"tenant {v!r}",
+    "priority": lambda v: f"priority {v}",
+    "owner_pid": lambda v: "no owner pid" if v is None else f"owner pid {v}",
+}
+
+
+def _terms(x: Request | Allocation) -> dict[str, Any]:
+    if isinstance(x, Allocation):
+        return {"gpus": x.total, "cpus": len(x.cpus), "tenant": x.tenant, "priority": x.priority,
+                "owner_pid": x.owner_pid}
+    return {"gpus": x.gpus, "cpus": x.cpus, "tenant": x.tenant, "priority": x.priority, "owner_pid": x.owner_pid}
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _check_same_terms(req: Request, held: dict[str, Any], verb: str) -> None:
+    """Refuse a repeat of a task id that asks for other terms than it ``verb`` (holds, waits for)."""
+    asked = _terms(req)
+    differ = [k for k in _TERM_TEXT if asked[k] != held[k]]
+    if not differ:
+        return
+    has = [_TERM_TEXT[k](held[k]) for k in ("gpus", "cpus")]
+    has += [_TERM_TEXT[k](held[k]) for k in differ if k not in ("gpus", "cpus")]
+    raise Refused(
+        ErrorCode.INVALID,
+        f"task {req.task_id!r} already {verb} {_and(has)}; this request asks for "
+        f"{_and([_TERM_TEXT[k](asked[k]) for k in differ])} (ask with the same terms, or free the task first)",
+    )
 
 
 class Insufficient(Exception):
@@ -180,10 +233,13 @@ class Ledger:
 
         Raises Refused for a wrong request and Insufficient when it does not
         fit and may not wait; either way nothing changed."""
-        if req.task_id in self._allocs:
-            return self._allocs[req.task_id]
-        if req.task_id in self._waiting:
-            raise Refused(ErrorCode.INVALID, f"task {req.task_id!r} is already waiting for an allocation")
+        if (held := self._allocs.get(req.task_id)) is not None:
+            _check_same_terms(req, _terms(held), "holds")
+            return held
+        if (waiter := self._waiting.get(req.task_id)) is not None:
+            _check_same_terms(req, _terms(waiter.request), "waits for")
+            raise Refused(ErrorCode.INVALID, f"task {req.task_id!r} already waits for this allocation: one request "
+                          "per task id waits at a time, and the first is answered when it fits")
         self._validate(req)
         try:
             return self._place(req, now)

@@ -84,9 +84,68 @@ def test_multi_gpu_requests_are_all_or_nothing() -> None:
 
 def test_idempotent_by_task_id() -> None:
     led = node()
-    a = led.allocate(req("t", 1, cpus=1), 0)
-    assert led.allocate(req("t", 1, cpus=1), 5) == a
+    a = led.allocate(req("t", 1, cpus=1, owner_pid=42), 0)
+    assert led.allocate(req("t", 1, cpus=1, owner_pid=42), 5) == a
     assert len(led.allocations()) == 1
+
+
+def test_where_and_how_long_are_not_terms_a_repeat_must_match() -> None:
+    """prefer, strategy and the wait only say where to place and how long to wait."""
+    led = node()
+    a = led.allocate(req("t", 0.5, cpus=2), 0)
+    again = req("t", 0.5, cpus=2, prefer=(3,), strategy=Strategy.RANDOM, wait_us=5000 * MS)
+    assert led.allocate(again, 5) == a
+    assert led.waiting() == [] and led.next_deadline() is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"gpus": 2 * UNIT}, "already holds 1 GPU and 4 CPU cores; this request asks for 2 GPUs ("),
+        ({"cpus": 1}, "already holds 1 GPU and 4 CPU cores; this request asks for 1 CPU core ("),
+        ({"gpus": UNIT // 4, "cpus": 0}, "this request asks for 0.25 of a GPU and no CPU core ("),
+        ({"tenant": "speech"}, "holds 1 GPU, 4 CPU cores and tenant 'vision'; this request asks for tenant 'speech'"),
+        ({"tenant": None}, "this request asks for no tenant ("),
+        ({"priority": 90}, "holds 1 GPU, 4 CPU cores and priority 50; this request asks for priority 90"),
+        ({"owner_pid": 7}, "holds 1 GPU, 4 CPU cores and owner pid 42; this request asks for owner pid 7"),
+        ({"owner_pid": None}, "this request asks for no owner pid ("),
+        ({"gpus": 2 * UNIT, "priority": 90, "owner_pid": 7},
+         "holds 1 GPU, 4 CPU cores, priority 50 and owner pid 42; this request asks for 2 GPUs, priority 90 and owner pid 7"),
+    ],
+)
+def test_a_repeat_with_other_terms_is_refused_naming_each_difference(changes: dict[str, object], needle: str) -> None:
+    led = node(tenants={"vision": TenantQuota(4 * UNIT), "speech": TenantQuota(4 * UNIT)})
+    terms: dict[str, object] = {"gpus": UNIT, "cpus": 4, "tenant": "vision", "priority": 50, "owner_pid": 42}
+    led.allocate(Request(task_id="etl-1", **terms), 0)  # type: ignore[arg-type]
+    before = state_of(led)
+    with pytest.raises(Refused) as err:
+        led.allocate(Request(task_id="etl-1", **{**terms, **changes}), 1)  # type: ignore[arg-type]
+    assert err.value.code == ErrorCode.INVALID
+    assert err.value.message.startswith("task 'etl-1' already holds") and needle in err.value.message
+    assert state_of(led) == before
+
+
+def test_the_issues_example_reads_as_written() -> None:
+    led = node()
+    led.allocate(req("etl-1", 1, cpus=4), 0)
+    with pytest.raises(Refused, match=r"^task 'etl-1' already holds 1 GPU and 4 CPU cores; this request asks for 2 GPUs \("):
+        led.allocate(req("etl-1", 2, cpus=4), 1)
+
+
+def test_a_second_request_for_a_waiting_task_id_is_refused_and_the_first_waits_on() -> None:
+    led = node(gpus=1)
+    led.allocate(req("running", 1), 0)
+    assert led.allocate(req("w", 1, cpus=1, wait_us=100 * MS), 0) is None
+    before = state_of(led)
+    with pytest.raises(Refused, match="task 'w' already waits for 1 GPU and 1 CPU core; this request asks for 0.5 of a GPU"):
+        led.allocate(req("w", 0.5, cpus=1, wait_us=100 * MS), 1)
+    assert state_of(led) == before
+    with pytest.raises(Refused, match="task 'w' already waits for this allocation: one request per task id waits"):
+        led.allocate(req("w", 1, cpus=1, wait_us=100 * MS), 2)  # the same terms: still one waiter
+    assert state_of(led) == before
+    _, effects = led.release("running", 3)
+    assert [e.allocation.task_id for e in effects if isinstance(e, Served)] == ["w"]
+    assert led.allocate(req("w", 1, cpus=1), 4) is not None  # held now: the same terms are answered
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -58,21 +59,87 @@ def test_a_restart_restores_allocations_and_their_accounting(daemon_factory: Cal
         with pytest.raises(ProtocolError) as err:
             c.allocate("more", gpus=1)
         assert err.value.code == "insufficient" and "entirely free" in err.value.message
-        assert c.allocate("whole", gpus=1).gpus == [0]  # idempotent across the restart
+        assert c.allocate("whole", gpus=1, cpus=1).gpus == [0]  # idempotent across the restart
 
 
 def test_gpuctl_alloc_prints_exports_a_shell_can_eval(daemon: DaemonProcess) -> None:
     script = f"""
 set -e
-eval "$({sys.executable} -m gpud.cli --socket {daemon.socket} alloc --task etl-42 --gpus 1)"
-echo "$CUDA_VISIBLE_DEVICES $GPUD_TASK_ID $GPUD_GPU_SHARE"
+vars=$({sys.executable} -m gpud.cli --socket {daemon.socket} alloc --task etl-42 --gpus 1) || exit 1
+eval "$vars"
+echo "$CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER $GPUD_TASK_ID $GPUD_GPU_SHARE"
 {sys.executable} -m gpud.cli --socket {daemon.socket} free --task etl-42
 """
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == "0 etl-42 1"
+    assert out.stdout.splitlines()[0] == "0 PCI_BUS_ID etl-42 1"
     assert "freed" in out.stdout
-    assert gpuctl(daemon, "allocs", "--json").returncode == 0
+    assert json.loads(gpuctl(daemon, "allocs", "--json").stdout)["allocations"] == []
+
+
+def test_gpuctl_alloc_json_carries_the_same_environment(daemon: DaemonProcess) -> None:
+    out = gpuctl(daemon, "alloc", "--task", "etl-43", "--gpus", "0.5", "--cpus", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["env"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUD_TASK_ID": "etl-43",
+                             "GPUD_GPU_SHARE": "0.5", "GPUD_CPUS": str(answer["cpus"][0])}
+
+
+def test_asking_again_for_a_task_id_with_other_terms_is_refused(daemon: DaemonProcess) -> None:
+    first = gpuctl(daemon, "alloc", "--task", "etl-1", "--gpus", "1", "--cpus", "1")
+    assert first.returncode == 0, first.stderr
+    again = gpuctl(daemon, "alloc", "--task", "etl-1", "--gpus", "1", "--cpus", "1", "--strategy", "least_loaded")
+    assert (again.returncode, again.stdout) == (0, first.stdout)  # a retry: the same answer
+    before = json.loads(gpuctl(daemon, "allocs", "--json").stdout)
+    out = gpuctl(daemon, "alloc", "--task", "etl-1", "--gpus", "2", "--cpus", "1")
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr.startswith("gpuctl: invalid: task 'etl-1' already holds 1 GPU and 1 CPU core; "
+                                 "this request asks for 2 GPUs ("), out.stderr
+    out = gpuctl(daemon, "alloc", "--task", "etl-1", "--gpus", "1", "--cpus", "1", "--priority", "high",
+                 "--owner-pid", str(os.getpid()))
+    assert out.returncode == 1 and "this request asks for priority 75 and owner pid" in out.stderr, out.stderr
+    assert json.loads(gpuctl(daemon, "allocs", "--json").stdout) == before  # nothing changed
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "alloc_recipe.sh"
+
+
+def test_the_readme_quotes_the_recipe_as_it_is() -> None:
+    readme = (RECIPE.parents[1] / "README.md").read_text()
+    assert f"```sh\n{RECIPE.read_text()}```\n" in readme
+
+
+def run_recipe(d: DaemonProcess, task: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """The recipe as written, with this venv's gpuctl first on the PATH and the daemon's socket."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "GPUD_SOCKET": d.socket}
+    return subprocess.run(["bash", str(RECIPE), task, *command], capture_output=True, text=True, timeout=60, env=env)
+
+
+SHOW = ("import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'], "
+        "os.environ['GPUD_CPUS'], sorted(os.sched_getaffinity(0)))")
+
+
+def test_the_recipe_runs_the_command_on_its_devices_and_frees_them(daemon: DaemonProcess) -> None:
+    out = run_recipe(daemon, "etl-7", sys.executable, "-c", SHOW)
+    assert out.returncode == 0, out.stderr
+    cuda, order, cpus, affinity = out.stdout.split(" ", 3)
+    assert (cuda, order) == ("0", "PCI_BUS_ID")
+    assert affinity.strip() == f"[{int(cpus)}]"  # taskset -c "$GPUD_CPUS"
+    assert json.loads(gpuctl(daemon, "allocs", "--json").stdout)["allocations"] == []
+    out = run_recipe(daemon, "etl-8", "sh", "-c", "exit 3")
+    assert out.returncode == 3  # the command's status, and freed all the same
+    assert json.loads(gpuctl(daemon, "allocs", "--json").stdout)["allocations"] == []
+
+
+def test_the_recipe_stops_when_the_node_is_full(daemon: DaemonProcess, tmp_path: Path) -> None:
+    with Client(daemon.socket) as c:
+        c.allocate("hog", gpus=2)
+    ran = tmp_path / "ran"
+    out = run_recipe(daemon, "etl-9", "touch", str(ran))
+    assert out.returncode != 0 and "insufficient" in out.stderr, out.stderr
+    assert not ran.exists()  # never on every GPU with CUDA_VISIBLE_DEVICES unset
+    assert [a["task_id"] for a in json.loads(gpuctl(daemon, "allocs", "--json").stdout)["allocations"]] == ["hog"]
 
 
 def test_waiters_are_served_in_priority_order(daemon: DaemonProcess) -> None:
@@ -175,9 +242,9 @@ def test_a_session_cannot_lift_its_own_allocations_ceiling_even_as_root(daemon: 
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--gpus", "0"], "0 GPUs and 0 CPU cores"),
-        (["--gpus=-1"], "`float` >= 0.0 - at `$.gpus`"),
-        (["--gpus", "1.5"], "1.5 GPUs"),
+        (["--gpus", "0"], "argument --gpus: 0 asks for no GPU"),
+        (["--gpus=-1"], "argument --gpus: must be a whole number of GPUs >= 1 or a fraction 0 < x < 1"),
+        (["--gpus", "1.5"], "argument --gpus: must be a whole number of GPUs >= 1"),
         (["--gpus", "3"], "this node has 2"),
         (["--gpus", "1", "--cpus", "100000"], "CPU cores asked"),
         (["--gpus", "1", "--prefer", "5"], "unknown GPU 5"),
@@ -245,3 +312,25 @@ def test_the_asyncio_client_allocates_too(daemon: DaemonProcess) -> None:
             assert (await c.allocations()).allocations == []
 
     asyncio.run(main())
+
+
+def test_allocation_requests_are_counted_by_outcome(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """gpud_allocation_requests_total{result}: it existed, documented nowhere and never counted."""
+    from .test_caps import sample
+    from .waiting import eventually
+
+    d = daemon_factory("--simulate", "1", "--metrics-addr", "127.0.0.1:0")
+    with Client(d.socket) as c, Client(d.socket) as waiter:
+        c.allocate("a", gpus=1)
+        c.allocate("a", gpus=1)  # the same again: answered with what it holds
+        with pytest.raises(ProtocolError, match="insufficient"):
+            c.allocate("b", gpus=1)
+        served: list[p.Allocated] = []
+        t = threading.Thread(target=lambda: served.append(waiter.allocate("c", gpus=1, wait_ms=60_000)))
+        t.start()
+        eventually(lambda: "c" in c.allocations().waiting, "c waits")
+        c.release_allocation("a")
+        t.join(30)
+        assert served and served[0].task_id == "c"
+    results = {r: sample(d, "gpud_allocation_requests_total", result=r) for r in ("granted", "repeated", "insufficient")}
+    assert results == {"granted": 2, "repeated": 1, "insufficient": 1}

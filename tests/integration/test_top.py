@@ -1,13 +1,16 @@
-"""gpuctl top in a pseudo-terminal: it draws, refreshes, and exits on q or Ctrl-C."""
+"""gpuctl top in a pseudo-terminal: it draws, refreshes, and exits on q or Ctrl-C; without a terminal:
+plain snapshots or JSON lines, no escape codes."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import select
 import signal
 import struct
+import subprocess
 import sys
 import termios
 import time
@@ -72,3 +75,43 @@ def test_top_draws_refreshes_and_exits(daemon: DaemonProcess, key: bytes) -> Non
             except ProcessLookupError:
                 pass
             os.close(fd)
+
+
+def run_top(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    """gpuctl top as a script or a log runs it: stdout a pipe, stdin not a terminal."""
+    return subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", daemon.socket, "top", "--interval", "0.1", *args],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+
+
+def test_top_without_a_terminal_writes_plain_snapshots(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket, name="trainer") as c:
+        s = c.session(0, core_limit=30, idle_release=None)
+        with s.slice():
+            pass
+        out = run_top(daemon, "--count", "2")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout  # no clearing, no cursor moves, no bold
+    assert out.stdout.count("GPU 0 ") == 2 and out.stdout.count("gpud ") == 2
+    assert "mode auto" in out.stdout and "trainer" in out.stdout and "30%" in out.stdout
+    assert "q to quit" not in out.stdout  # keys are not read without a terminal
+
+
+def test_top_json_is_one_line_per_refresh(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket, name="trainer") as c:
+        c.session(1, core_limit=30, idle_release=None)
+        out = run_top(daemon, "--json", "--count", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        snap = json.loads(line)
+        assert [g["index"] for g in snap["gpus"]] == [0, 1] and snap["leases"] == []
+        trainer = [cl for cl in snap["clients"] if cl["name"] == "trainer"]
+        assert [(x["gpu"], x["core_limit"]) for x in trainer[0]["sessions"]] == [(1, 30)]
+
+
+def test_top_with_the_daemon_gone_says_so() -> None:
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", "/tmp/gpud-absent/gpud.sock", "top", "--json"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert (out.returncode, out.stdout) == (1, "")
+    assert json.loads(out.stderr)["error"]["code"] == "unavailable"

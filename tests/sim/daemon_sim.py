@@ -121,7 +121,7 @@ KINDS = ["good", "good", "good", "slow", "slow", "stubborn", "abandoner", "crash
 LEASE_HOLD_MAX_US: dict[str, int | None] = {
     "good": 20 * MS, "slow": 60 * MS, "stubborn": 60 * MS, "crashy": 20 * MS, "abandoner": None,
 }
-TASK_TYPES = ["ASR", "NMT", "SEMANTIC_REPAIR", "OTHER", "BATCH"]
+TASK_TYPES = ["ASR", "NMT", "SEMANTIC_REPAIR", "OTHER", "BATCH", "TTS"]
 SHARED_TASKS = ["shared-1", "shared-2"]  # task ids several uids ask for
 PUSHES_ON_SESSIONS = (p.LockOk, p.DropLock, p.Revoked, p.LimitsChanged, p.MemLimitExceeded)
 ADMIN_KINDS = ("SET_MODE", "SET_TQ", "SCHED_ON", "SCHED_OFF", "SET_POLICY", "RESET_ALLOCS")
@@ -227,6 +227,7 @@ class Acked:
     share: int  # fixed point
     cpus: tuple[int, ...]
     tenant: str | None
+    priority: int = 50
 
 
 @dataclass(eq=False)
@@ -267,6 +268,9 @@ def draw_config(rng: random.Random, state_dir: str) -> Config:
     policies = {
         "ASR": PolicyConfig(priority=90, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 50, 300])),
         "SEMANTIC_REPAIR": PolicyConfig(priority=20, busy_policy=p.BusyPolicy.SKIP, max_wait_ms=rng.choice([0, 40])),
+        # reserved: its priority is this uid's alone; anyone else but an admin is refused it
+        "TTS": PolicyConfig(priority=70, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 100]),
+                            uids=USERS[-1:]),
         "BATCH": PolicyConfig(priority=30, busy_policy=p.BusyPolicy.FALLBACK_CPU, max_wait_ms=rng.choice([5, 100]),
                               queue_limit=rng.choice([None, 1]), hold_max_ms=rng.choice([None, 15])),
     }
@@ -854,7 +858,8 @@ class World:
             if len(c.sessions) + len(c.leases) + len(c.waiting_leases()) >= cap:
                 expected = p.ErrorCode.LIMIT_REACHED
             else:
-                expected = p.ErrorCode.PERMISSION_DENIED if (m.priority or 0) > self.ceiling(c) else None
+                refused = (m.priority or 0) > self.ceiling(c) or pend.info["terms"] is None
+                expected = p.ErrorCode.PERMISSION_DENIED if refused else None
             self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'a LEASE_RESULT'}")
             return
         self.expect(isinstance(msg, p.LeaseResult) and (m.priority or 0) <= self.ceiling(c), c, pend, msg,
@@ -941,7 +946,7 @@ class World:
         self.expect(not injected, c, pend, msg, "ALLOCATED though its store write failed")
         self.stats["allocations answered" + (" after waiting" if pend.deadline is not None else "")] += 1
         share = round(msg.share * UNIT)
-        got = Acked(msg.task_id, c.uid, tuple(msg.gpus), share, tuple(msg.cpus), msg.tenant)
+        got = Acked(msg.task_id, c.uid, tuple(msg.gpus), share, tuple(msg.cpus), msg.tenant, msg.priority)
         self.expect(msg.task_id == m.task_id and msg.cuda_visible_devices == ",".join(map(str, msg.gpus)), c, pend,
                     msg, "task id / CUDA_VISIBLE_DEVICES")
         before = self.acked.get(m.task_id)
@@ -1094,7 +1099,7 @@ class World:
             max_wait_ms=max_wait, hold_max_ms=r.choice([None, 10, 50]), queue_limit=r.choice([None, None, 0, 2]),
             busy_policy=busy, mem_estimate=r.choice([None, GIB, 4 * GIB, 12 * GIB]),
         )
-        terms = self.lease_terms(msg)
+        terms = self.lease_terms(c, msg)
         idle = not self.occupants(gpu) and self.gpus[gpu].enabled and self.now >= self.grace_end
         pend = self.send(c, msg, "ACQUIRE", gpu=gpu, seq=next(self._seq), idle=idle, terms=terms)
         if c.pending.get(pend.rid) is pend:  # not answered yet: it waits
@@ -1109,15 +1114,24 @@ class World:
             pend.deadline = pend.sent_at + terms.max_wait_ms * MS
         self.after_event()
 
-    def lease_terms(self, m: p.Acquire) -> LeaseTerms:
-        """The lease's terms: the request's fields, cut to its task type's policy (tighten only)."""
+    def lease_terms(self, c: Client, m: p.Acquire) -> LeaseTerms | None:
+        """The lease's terms: the request's fields, cut to its task type's policy (tighten only), its
+        priority cut to the caller's ceiling unless the policy names it. None: a reserved task type
+        that does not name the caller, refused."""
         cfg = self.config
-        return resolve_terms(
+        terms = resolve_terms(
             m.task_type, self.daemon.arbiter.policies, priority=m.priority, busy_policy=m.busy_policy,
             max_wait_ms=m.max_wait_ms, queue_limit=m.queue_limit, hold_max_ms=m.hold_max_ms,
             mem_estimate=m.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
             default_hold_max_ms=cfg.lease_hold_max_ms,
         )
+        if c.admin:
+            return terms
+        policy = cfg.policies.get(m.task_type)
+        named = policy is not None and (c.uid in policy.uids or c.gid in policy.gids)
+        if policy is not None and (policy.uids or policy.gids):
+            return terms if named else None
+        return dataclasses.replace(terms, priority=min(terms.priority, self.ceiling(c)))
 
     def release_lease(self, c: Client, lease_id: str, *, other: bool = False) -> None:
         quiet = not other and self.rng.random() < 0.3
@@ -1139,6 +1153,10 @@ class World:
         priority = r.choice([None, None, 10, 60, 80])
         wait_ms = r.choice([0, 0, 0, 20, 200, 1000])
         prefer: list[int | str] = r.choice([[], [], [], [0], [len(self.gpus) - 1], [], [], [0], [1 % len(self.gpus)], [7]])
+        held = self.acked.get(task)
+        if held is not None and r.random() < 0.5:  # a repeat with the same terms (prefer, strategy, wait may differ)
+            gpus, cpus, tenant = held.share * len(held.gpus) / UNIT, len(held.cpus), held.tenant
+            priority = None if held.priority == 50 and r.random() < 0.5 else held.priority
         msg = p.Allocate(id=c.rid(), task_id=task, gpus=gpus, cpus=cpus, prefer=prefer,
                          strategy=r.choice(list(p.Strategy)), tenant=tenant, priority=priority, wait_ms=wait_ms)
         waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
@@ -1155,8 +1173,10 @@ class World:
             expected = p.ErrorCode.PERMISSION_DENIED
         elif 7 in prefer:
             expected = p.ErrorCode.UNKNOWN_GPU
-        elif task in self.acked:
-            expected = None  # the same allocation again, whatever else the request says
+        elif held is not None:  # the same allocation again for the same terms, refused for others
+            same = (round(gpus * UNIT), cpus, tenant, 50 if priority is None else priority) == (
+                held.share * len(held.gpus), len(held.cpus), held.tenant, held.priority)
+            expected = None if same else p.ErrorCode.INVALID
         elif task in waiting:
             expected = p.ErrorCode.INVALID
         elif gpus in (1.5, 9.0) or (gpus == 0 and cpus == 0) or (gpus > len(self.gpus)):
