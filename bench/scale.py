@@ -19,6 +19,19 @@ bare blocking ``gpud_client.connection.Connection``s:
   timers: the monitor refreshes per-session gauges every second); its VmRSS
   (/proc/PID/status). RSS per session = (VmRSS at the largest N - VmRSS before
   any idle session) / the largest N.
+- At each N, the daemon's longest event-loop turn (``loop_turn_ms_max``): the daemons
+  run with $GPUD_DEBUG_SLOW_TURN_MS = SLOW_TURN_MS (about 1 us a turn, in every figure),
+  so each logs every turn of its loop (the work between two waits for I/O, when no
+  client is served) longer than that;
+  measured over TURNS_S of lock cycles on the subject alone (the control stopped, the
+  subject never: a daemon stopped mid-turn would show the stop as a turn), which
+  covers at least two gauge refreshes: its wall time, and the loop thread's CPU time in
+  the turn with the most (``loop_turn_cpu_ms_max``: the daemon's own work, less what the
+  host took: this process shares the daemons' CPU under ``one-cpu``), and the most time
+  the garbage collector took in one (``loop_turn_gc_ms_max``). With them, the longest lock
+  cycle of that window (``lock_us_max_alone``), its proxy as a client sees it, and how
+  many turns were over SLOW_TURN_MS (``loop_turns_slow``); the loop_turn figures are None
+  when none was.
 - Queued leases: a fresh daemon with the smallest N idle sessions; the same
   cycles on its GPU 0 before and after ``--queued`` leases queue on its GPU 1
   (one lease holds GPU 1; the others wait behind it under a policy with a 24 h
@@ -72,6 +85,7 @@ from typing import Any
 from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
 from percentiles import percentile
 
+from gpud.main import SLOW_TURN_ENV
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
@@ -81,6 +95,8 @@ ANSWER_TIMEOUT_S = 60.0  # one answer; a batch of attaches on a large daemon tak
 STATUS_REPS = 7
 IDLE_S = 2.0
 BLOCK = 200  # cycles on one node before switching to the other
+SLOW_TURN_MS = 1.0  # the daemons log event-loop turns longer than this (gpud.main.SLOW_TURN_ENV)
+TURNS_S = 2.5  # lock cycles on the subject alone while its loop turns are watched: > 2 gauge refreshes
 DAY_MS = 86_400_000  # the protocol's largest max_wait_ms and hold_max_ms
 GROWTH_TARGET = 1.2
 DAEMON_ARGS = ("--simulate", "2", "--mode", "serial", "--log-level", "warning")
@@ -254,6 +270,22 @@ def request_ms(conn: Connection, make: Callable[[int], Any], kind: type) -> floa
     return (time.monotonic_ns() - t0) / 1e6
 
 
+def slow_turns(log_text: str) -> list[tuple[float, float, float]]:
+    """The event-loop turns a daemon logged as longer than SLOW_TURN_MS, in order: (wall ms, the
+    loop thread's CPU ms, of which in the garbage collector ms)."""
+    out = []
+    for line in log_text.splitlines():
+        if '"loop_turn_slow"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "loop_turn_slow":
+            out.append((float(event["turn_ms"]), float(event["cpu_ms"]), float(event["gc_ms"])))
+    return out
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -333,11 +365,20 @@ class Node:
     def rss(self) -> int:
         return rss_bytes(self.pid)
 
+    def log_size(self) -> int:
+        return os.path.getsize(self.daemon.log_path)
+
+    def log_since(self, offset: int) -> str:
+        with open(self.daemon.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def close(self) -> None:
         self.resume()  # a stopped daemon would not see its SIGTERM
         for conn in self.conns:
             conn.close()
-        complaints = self.daemon.log().strip()
+        lines = self.daemon.log().splitlines()
+        complaints = "\n".join(line for line in lines if '"loop_turn_slow"' not in line).strip()
         self.daemon.cleanup()
         if complaints:
             _progress(f"the {self.name} daemon logged warnings during the run:\n{complaints}")
@@ -383,6 +424,28 @@ def alone(node: Node, others: list[Node]) -> dict[str, float]:
             other.resume()
 
 
+def turns(node: Node, others: list[Node]) -> dict[str, float | None]:
+    """Lock cycles on ``node`` alone for TURNS_S (the others stopped, it never is): the longest
+    cycle, the longest event-loop turn the daemon logged meanwhile and how many were slow."""
+    try:
+        for other in others:
+            other.pause()
+        node.resume()
+        offset = node.log_size()
+        samples: list[float] = []
+        ends = time.monotonic() + TURNS_S
+        while time.monotonic() < ends:
+            samples.extend(node.run("lock", BLOCK))
+        slow = slow_turns(node.log_since(offset))
+    finally:
+        for other in others:
+            other.resume()
+    return {"lock_us_max_alone": max(samples), "loop_turns_slow": float(len(slow)),
+            "loop_turn_ms_max": max((t[0] for t in slow), default=None),
+            "loop_turn_cpu_ms_max": max((t[1] for t in slow), default=None),
+            "loop_turn_gc_ms_max": max((t[2] for t in slow), default=None)}
+
+
 def sizes_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict[str, Any]:
     """Grow a subject node's idle sessions through ``cfg.sizes``; at each, measure it beside the control."""
     subject = Node(cfg, "subject", cpus)
@@ -398,6 +461,9 @@ def sizes_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict[
             beside[str(n)], by_size[str(n)] = side_by_side((control, subject), cfg)
             by_size[str(n)] |= alone(subject, [control]) | {"rss_mb": subject.rss() / 2**20,
                                                             "attach_us_per_session": attach_s * 1e6}
+            _progress(f"sizes: {n} idle sessions: lock cycles on the subject alone for {TURNS_S} s, its loop turns "
+                      f"over {SLOW_TURN_MS} ms logged")
+            by_size[str(n)] |= turns(subject, [control])
         rss_after = subject.rss()
     finally:
         subject.close()
@@ -433,7 +499,8 @@ def queued_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict
 
 
 def _cycle_keys(figures: dict[str, float], suffix: str, prefix: str = "") -> dict[str, float]:
-    return {f"{prefix}{k}_{suffix}": v for k, v in figures.items() if k.startswith(("lock_us", "lease_us"))}
+    return {f"{prefix}{k}_{suffix}": v for k, v in figures.items()
+            if k.startswith(("lock_us", "lease_us", "loop_turn_"))}
 
 
 def _growths(flat: dict[str, float], at: str, base: str) -> dict[str, float]:
@@ -465,7 +532,7 @@ def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, *, l
     listed = by_size.get("1000")  # the issue asks at 1 000 sessions
     return {
         "sizes": list(cfg.sizes),
-        **{k: round(v, 1 if "_us_" in k else 3) for k, v in flat.items()},
+        **{k: _round(v, 1 if "_us_" in k else 3) for k, v in flat.items()},
         "status_ms_1000": None if listed is None else round(listed["status_ms"], 2),
         "clients_ms_1000": None if listed is None else round(listed["clients_ms"], 2),
         "rss_mb_before": round(sizes["rss_before"] / 2**20, 1),
@@ -482,6 +549,8 @@ def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, *, l
         "cycles": cfg.cycles,
         "warmup": cfg.warmup,
         "block": BLOCK,
+        "slow_turn_ms": SLOW_TURN_MS,
+        "turns_s": TURNS_S,
         "per_connection": PER_CONNECTION,
         "daemon": {"args": list(DAEMON_ARGS), "config": daemon_toml(per_connection=PER_CONNECTION, queued=q)},
         "targets": targets,
@@ -491,8 +560,12 @@ def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, *, l
     }
 
 
-def _rounded(figures: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 1 if ("_us" in k or "percent" in k or "rss" in k) else 2) for k, v in figures.items()}
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _rounded(figures: dict[str, float]) -> dict[str, float | None]:
+    return {k: _round(v, 1 if ("_us" in k or "percent" in k or "rss" in k) else 2) for k, v in figures.items()}
 
 
 _ROWS = [
@@ -512,8 +585,16 @@ def table(r: dict[str, Any]) -> str:
         cells = [f"{f[a]:.1f} / {f[b]:.1f}" if a in f else "" for _, f in cols]
         lines.append(f"{label:<40}" + "".join(f"{c:>20}" for c in cells))
     for label, key in (("daemon CPU, nothing asked (%)", "idle_cpu_percent"), ("daemon RSS (MB)", "rss_mb"),
-                       ("ATTACH, pipelined (us per session)", "attach_us_per_session")):
+                       ("ATTACH, pipelined (us per session)", "attach_us_per_session"),
+                       ("lock cycle max, alone (us)", "lock_us_max_alone")):
         lines.append(f"{label:<40}" + "".join(f"{f[key]:>20.1f}" if key in f else f"{'':>20}" for _, f in cols))
+    for label, key in (("longest loop turn, alone: wall (ms)", "loop_turn_ms_max"),
+                       ("longest loop turn, alone: CPU (ms)", "loop_turn_cpu_ms_max"),
+                       ("most GC in a slow turn, alone (ms)", "loop_turn_gc_ms_max")):
+        cells = ["" if key not in f else f"< {SLOW_TURN_MS:g}" if f[key] is None else f"{f[key]:.1f}" for _, f in cols]
+        lines.append(f"{label:<40}" + "".join(f"{c:>20}" for c in cells))
+    cells = ["" if "loop_turns_slow" not in f else f"{f['loop_turns_slow']:.0f}" for _, f in cols]
+    lines.append(f"{f'loop turns over {SLOW_TURN_MS:g} ms, alone':<40}" + "".join(f"{c:>20}" for c in cells))
     controls = [*r["control"].values(), *r["queued_control"].values()]
     cells = [f"{f['lock_us_p50']:.1f} / {f['lease_us_p50']:.1f}" for f in controls]
     lines.append(f"{'the control beside it: lock / lease p50':<40}" + "".join(f"{c:>20}" for c in cells))
@@ -560,6 +641,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
+    os.environ[SLOW_TURN_ENV] = f"{SLOW_TURN_MS:g}"  # the daemons it starts log their slow loop turns
     load, began = os.getloadavg()[0], time.monotonic()
     cpus = placement_cpus(cfg.placement, sorted(os.sched_getaffinity(0)))
     if cpus is not None:

@@ -250,8 +250,16 @@ class Arbiter(Part):
         return out
 
     def reconfigure(self, config: Config) -> None:
+        """A reload: a task type whose policy the new configuration changes (added, altered or
+        removed) takes the new one; the others keep theirs, a ``gpuctl policy`` change included."""
+        before, after = self.config.lease_policies(), config.lease_policies()
+        for name in before.keys() | after.keys():
+            if before.get(name) != after.get(name):
+                if name in after:
+                    self.policies[name] = after[name]
+                else:
+                    self.policies.pop(name, None)
         self.config = config
-        self.policies = config.lease_policies()
         self._terms.clear()
         self._prime()
 

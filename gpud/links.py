@@ -38,6 +38,7 @@ class Links:
         self.owners: dict[int, ClientLink] = {}  # session or lease id -> its connection
         self.per_uid: Counter[int] = Counter()  # open connections by peer uid
         self.descriptor_room = 1_000_000  # connections the open-file limit leaves room for (set at start)
+        self.refusing = 0  # refused connections kept a moment for their HELLO (see gpud.listener)
         self._client_ids = itertools.count(1)
         self._codec = p.daemon_codec()
         self._message_counts: dict[type, object] = {}
@@ -104,15 +105,18 @@ class Links:
         return min(self.config.max_connections, self.descriptor_room)
 
     def admission_refusal(self, uid: int) -> tuple[str, str] | None:
-        """(cap, message) when a new connection from ``uid`` is refused, else None."""
+        """(cap, message) when a new connection from ``uid`` is refused, else None. The message
+        names the cap and its value; the client shows it as the reason."""
         if len(self.connections) >= self.max_connections:
+            lowered = ", all the open-file limit allows" if self.max_connections < self.config.max_connections else ""
             return "max_connections", (
-                f"gpud serves at most {self.max_connections} connections (max_connections); try again later"
+                f"gpud refused the connection: it serves at most {self.max_connections} connections{lowered} "
+                "(max_connections); try again later"
             )
         cap = self.config.max_connections_per_uid
         if self.per_uid[uid] >= cap:
             return "max_connections_per_uid", (
-                f"uid {uid} has {cap} connections open, the most allowed (max_connections_per_uid)"
+                f"gpud refused the connection: uid {uid} already has {cap} connections (max_connections_per_uid)"
             )
         return None
 

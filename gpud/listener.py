@@ -48,6 +48,11 @@ _TURN_S = 0.0005
 _READ_BYTES = 65536
 _FLUSH_S = 1.0  # what a closing connection may take to flush its last answers
 _ACCEPT_BACKOFF_S = 0.1  # after accept fails for want of descriptors or memory
+# A connection refused by a cap waits this long for its HELLO, at most this many at once (each
+# holds a descriptor: well within main.FD_RESERVE); past that, it is refused without waiting.
+_REFUSAL_WAIT_S = 1.0
+_REFUSALS_WAITING = 16
+_REFUSAL_DRAIN_READS = 4
 
 
 def peer_credentials(sock: Any) -> tuple[int, int, int]:
@@ -77,7 +82,7 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
         return  # gone before we could look
     refusal = daemon.links.admission_refusal(creds[1])
     if refusal is not None:
-        _refuse_connection(daemon, sock.fileno(), creds, *refusal)
+        await _refuse_connection(daemon, stream, creds, *refusal)
         return
     with trio.CancelScope() as scope:  # cancelled by Links.drop: closed at once
         conn = daemon.links.open(creds, groups, sock.fileno(), scope)
@@ -101,14 +106,49 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
             daemon.faults.record("connection", group, client=conn.client_id, pid=conn.pid)
 
 
-def _refuse_connection(daemon: Daemon, fd: int, creds: tuple[int, int, int], cap: str, message: str) -> None:
-    """One best-effort ERROR naming the cap, then the close (in ``_serve_and_close``)."""
+async def _refuse_connection(
+    daemon: Daemon, stream: trio.SocketStream, creds: tuple[int, int, int], cap: str, message: str
+) -> None:
+    """One ERROR naming the cap, then the close (in ``_serve_and_close``).
+
+    The client's HELLO is waited for, a short bounded while and for a few refused connections
+    at a time, so that the ERROR answers it by its id: an ERROR sent at once carries no id, and
+    a client waiting for its HELLO's answer reads past it, into the reset that a close with its
+    HELLO unread causes (or its HELLO, written after the close, fails with EPIPE), and says
+    "connection reset". What came is read before the close, so the close resets nothing. (The
+    clients also read an id-less ERROR before a close as its reason, for when this cannot wait.)
+    The ERROR is one non-blocking write: a peer that never reads holds nothing past the wait."""
     daemon.metrics.node.connections_refused.labels(cap).inc()
     daemon.faults.often("connection_refused", pid=creds[0], uid=creds[1], reason=message)
+    links = daemon.links
+    rid = None
+    if links.refusing < _REFUSALS_WAITING:
+        links.refusing += 1
+        try:
+            with trio.move_on_after(_REFUSAL_WAIT_S):
+                rid = _request_id(daemon, await stream.receive_some(_READ_BYTES))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # gone already: nobody to tell
+        finally:
+            links.refusing -= 1
+    fd = stream.socket.fileno()
     try:
-        os.write(fd, daemon.links.encode(p.Error(id=None, code=p.ErrorCode.LIMIT_REACHED, message=message)))
-    except OSError:
+        os.write(fd, links.encode(p.Error(id=rid, code=p.ErrorCode.LIMIT_REACHED, message=message)))
+        for _ in range(_REFUSAL_DRAIN_READS):  # whatever else came: the close then resets nothing
+            if not os.read(fd, _READ_BYTES):
+                break
+    except OSError:  # BlockingIOError included: all read, or the peer is gone
         pass
+
+
+def _request_id(daemon: Daemon, data: bytes) -> int | None:
+    """The id of the first request in ``data`` (a refused connection's HELLO), if whole and valid."""
+    try:
+        payloads = p.FrameDecoder(daemon.config.max_frame_bytes).feed(data)
+        rid = getattr(p.daemon_codec().decode(payloads[0]), "id", None) if payloads else None
+    except (p.FrameTooLarge, msgspec.MsgspecError):
+        return None
+    return rid if isinstance(rid, int) else None
 
 
 async def _expect_hello(daemon: Daemon, conn: ClientLink, scope: trio.CancelScope) -> None:

@@ -1,4 +1,4 @@
-"""structlog set-up, called once from the entry point.
+"""structlog set-up, called by the entry point at start and again by a reload.
 
 JSON lines when stderr is not a terminal (journald, files), readable lines on
 a terminal. Nothing logs per protocol message at info level.
@@ -101,5 +101,7 @@ def configure_logging(level: str = "info", fmt: Literal["auto", "json", "console
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=_LineWriterFactory(LineWriter(sys.stderr, json=use_json)),
-        cache_logger_on_first_use=True,
+        # Not cached: a reload that changes log_level or log_format must reach the loggers already
+        # used (a cached one keeps the level and renderer of its first use); ~1.5 us more a line.
+        cache_logger_on_first_use=False,
     )

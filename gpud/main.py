@@ -8,7 +8,8 @@ import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
 import structlog
 import trio
@@ -212,11 +213,71 @@ def _reload(daemon: Daemon, reload_config: Callable[[], Config]) -> None:
     systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
 
 
+# A debugging aid, not configuration: log every event-loop turn longer than this many ms.
+SLOW_TURN_ENV = "GPUD_DEBUG_SLOW_TURN_MS"
+
+
+class SlowTurns(trio.abc.Instrument):
+    """Logs (``loop_turn_slow``, a warning) every turn of the event loop longer than the threshold:
+    a turn is the work done between two waits for I/O, during which no socket is served, so the
+    longest turn bounds how long any client's request can wait on the daemon's own work.
+    ``turn_ms`` is wall time; ``cpu_ms`` the loop thread's CPU time in it (less when the host
+    preempted or stopped the daemon mid-turn: the daemon's own work); ``gc_ms`` the part spent
+    in Python's garbage collector. Turned on by $GPUD_DEBUG_SLOW_TURN_MS; about 1 us a turn."""
+
+    def __init__(self, threshold_ms: float) -> None:
+        self.threshold_ns = max(0, round(threshold_ms * 1e6))
+        self._began: int | None = None
+        self._cpu_began = 0
+        self._gc_ns = 0
+        self._gc_began = 0
+
+    def gc_phase(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter_ns()
+        elif self._gc_began:
+            self._gc_ns += time.perf_counter_ns() - self._gc_began
+
+    def before_run(self) -> None:
+        gc.callbacks.append(self.gc_phase)
+
+    def after_run(self) -> None:
+        gc.callbacks.remove(self.gc_phase)
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._began = time.perf_counter_ns()
+        self._cpu_began = time.thread_time_ns()
+        self._gc_ns = 0
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self._began is None:
+            return
+        took = time.perf_counter_ns() - self._began
+        if took >= self.threshold_ns:
+            cpu = time.thread_time_ns() - self._cpu_began
+            log.warning("loop_turn_slow", turn_ms=round(took / 1e6, 3), cpu_ms=round(cpu / 1e6, 3),
+                        gc_ms=round(self._gc_ns / 1e6, 3), threshold_ms=self.threshold_ns / 1e6)
+
+
+def instruments(environ: Mapping[str, str]) -> list[trio.abc.Instrument]:
+    """The debugging instruments the environment asks for; a bad value is a ValueError naming it."""
+    raw = environ.get(SLOW_TURN_ENV)
+    if not raw:
+        return []
+    try:
+        threshold_ms = float(raw)
+    except ValueError:
+        threshold_ms = -1.0
+    if not threshold_ms >= 0:
+        raise ValueError(f"{SLOW_TURN_ENV}={raw!r} is not a number of milliseconds >= 0")
+    return [SlowTurns(threshold_ms)]
+
+
 def main(argv: list[str] | None = None) -> int:
     config, reload_config = parse_args(argv)
     configure_logging(config.log_level, config.log_format)
     try:
-        trio.run(run, config, reload_config)
+        trio.run(run, config, reload_config, instruments=instruments(os.environ))
     except ValueError as exc:  # a bad --simulate spec and the like
         print(f"gpud: {exc}", file=sys.stderr)
         return 2

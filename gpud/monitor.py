@@ -18,7 +18,9 @@ GPU is never fatal and keeps being scheduled.
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from collections.abc import Iterator, Mapping
+from typing import Protocol, cast
 
 import structlog
 import trio
@@ -32,6 +34,7 @@ from gpud.server import Daemon
 
 
 log = structlog.get_logger("gpud.monitor")
+_DONE = object()
 
 
 class Sampler(Protocol):
@@ -81,29 +84,37 @@ class Monitor:
             next_publish = self.daemon.now()
             while True:
                 self._wake = trio.Event()
-                deadline, next_publish = self._tick(next_publish)
+                now = self.daemon.now()
+                due = self._tick(now)
+                if now >= next_publish:
+                    next_publish = now + _interval_us(self.daemon)
+                    await self._publish()
+                deadline = next_publish if due is None else min(next_publish, due)
                 with trio.move_on_after(max(0.0, (deadline - self.daemon.now()) / 1e6)):
                     await self._wake.wait()
 
-    def _tick(self, next_publish: int) -> tuple[int, int]:
-        """Start the probes due, judge the ones out too long, refresh the gauges when
-        due; returns when to wake next and when to refresh next."""
-        now = self.daemon.now()
+    def _tick(self, now: int) -> int | None:
+        """Start the probes due, judge the ones out too long; returns when they next need it."""
         interval = _interval_us(self.daemon)
         try:
             self.health.set_interval(interval)
             self.effects.carry_out(self.health.advance(now), now)
-            due = self.health.next_deadline()
+            return self.health.next_deadline()
         except Exception as exc:  # this tick is skipped; the next one, an interval on, tries again
             self.daemon.faults.record("monitor", exc)
-            due = now + interval
-        if now >= next_publish:
-            next_publish = now + interval
-            try:
-                publish(self.daemon)
-            except Exception as exc:  # this refresh is skipped; the next one tries again
-                self.daemon.faults.record("monitor", exc)
-        return (next_publish if due is None else min(next_publish, due)), next_publish
+            return now + interval
+
+    async def _publish(self) -> None:
+        """Refresh the gauges, yielding to the loop between steps (``publish``); a step that
+        fails skips the rest of this refresh, and the next one tries again."""
+        try:
+            rest = publish(self.daemon)  # its first step is done
+            while rest is not None:
+                await trio.lowlevel.checkpoint()
+                if next(rest, _DONE) is _DONE:
+                    break
+        except Exception as exc:
+            self.daemon.faults.record("monitor", exc)
 
     async def _probe(self, gpu: Gpu) -> None:
         assert self.sampler is not None
@@ -167,9 +178,34 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
                 m.session_memory.labels(*labels).set(slot.scheduler.session(sid, now).mem_used or 0)
 
 
-def publish(daemon: Daemon) -> None:
-    """Refresh the gauges that describe state rather than events: one pass over the sessions,
-    whatever the number of GPUs, and only the series of sessions gone since are removed."""
+# A refresh step: at most this many sessions, and no more than this long (a slow or loaded host),
+# before the monitor yields to the loop. About 13 us a session: ~1 ms a step, which a request
+# that comes meanwhile waits at most (bench/scale.py: the lock cycle's p99 and max at 10 000).
+REFRESH_SESSIONS = 128
+REFRESH_STEP_S = 0.001
+_TIMED_AFTER = 32  # sessions a step does before its time counts: a few sessions are always done at once
+
+
+def publish(daemon: Daemon, *, sessions: int | None = None, step_s: float | None = None) -> Iterator[None]:
+    """Refresh the gauges that describe state rather than events, in steps bounded in sessions and
+    time, so that 10 000 sessions never hold the event loop for long: the GPUs' gauges and the
+    first step now, each further step when the returned iterator is advanced (the monitor yields
+    to the loop in between; ``for _ in publish(daemon): pass`` does it all at once, and up to
+    ``_TIMED_AFTER`` sessions are always done by the call alone). One pass over the sessions,
+    whatever the number of GPUs.
+
+    State changes between steps, and the gauges stay right: a session gone since the pass began
+    is skipped (its series went with it, ``Metrics.forget_session``), one attached meanwhile waits
+    for the next pass; a session's figures are read in the step that sets them, and a lifted
+    memory limit loses its series. Last, a backstop: series of sessions no longer there are
+    removed."""
+    steps = _refresh(daemon, REFRESH_SESSIONS if sessions is None else sessions,
+                     REFRESH_STEP_S if step_s is None else step_s)
+    next(steps, None)
+    return steps
+
+
+def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
     m = daemon.metrics.node
     now = daemon.now()
     daemon.settle_all(now)
@@ -182,16 +218,26 @@ def publish(daemon: Daemon) -> None:
             m.utilization.labels(gpu).set(1.0 if view.holders else 0.0)
             m.memory_used.labels(gpu).set(view.memory_in_use_bytes if view.holders else 0)
         m.allocated.labels(gpu).set((UNIT - daemon.allocator.ledger.gpu_free(gpu)) / UNIT)
-    seen: set[tuple[str, ...]] = set()
-    limited: set[tuple[str, ...]] = set()  # sessions with a memory limit: a lifted limit loses its series
+    m.allocations.set(len(daemon.allocator.ledger.allocations()))
     children = m.session_children
+    limits = _series(m.session_memory_limit)
+    done, began = 0, time.perf_counter()
+    # Few objects that outlive a step (lists of references, no tuple per session): whatever
+    # survives a collection is counted towards the next full one, which at 10 000 sessions
+    # holds the loop far longer than a step.
     for conn in list(daemon.links.connections.values()):
-        for sid, gpu in list(conn.sessions.items()):
-            if daemon.arbiter.owns(sid):
-                continue
-            v = daemon.slots[gpu].scheduler.session(sid, now)
-            labels: tuple[str, ...] = session_labels(gpu, sid, conn.name, conn.pid)
-            seen.add(labels)
+        for sid in list(conn.sessions):
+            if done >= per_step or (done >= _TIMED_AFTER and time.perf_counter() - began > step_s):
+                yield
+                done, began = 0, time.perf_counter()
+                now = daemon.now()
+                daemon.settle_all(now)  # this step's figures are up to its own now
+            done += 1
+            on = conn.sessions.get(sid)
+            if on is None or conn.closing or daemon.arbiter.owns(sid):
+                continue  # gone since the pass began (its series with it), or a lease
+            v = daemon.slots[on].scheduler.session(sid, now)
+            labels = session_labels(on, sid, conn.name, conn.pid)
             series = children.get(labels)
             if series is None:
                 series = children[labels] = (
@@ -203,17 +249,33 @@ def publish(daemon: Daemon) -> None:
             series[2].set(1 if v.throttled else 0)
             series[3].set(v.mem_used or 0)
             if v.mem_limit is not None:
-                limited.add(labels)
                 m.session_memory_limit.labels(*labels).set(v.mem_limit)
-    for gone in [labels for labels in children if labels not in seen]:
-        del children[gone]
-    for gauge in m.session_gauges:
-        keep = limited if gauge is m.session_memory_limit else seen
-        for labels in _label_sets(gauge):  # a session's series go with it
-            if labels not in keep:
-                gauge.remove(*labels)
-    m.allocations.set(len(daemon.allocator.ledger.allocations()))
+            elif labels in limits:
+                m.session_memory_limit.remove(*labels)  # the limit was lifted
+    # A backstop: a session's series go with it (``Metrics.forget_session``, also when its
+    # connection's cleanup failed), so more sessions with series than sessions attached means
+    # some were missed; only then are they looked for, in steps (the next pass finds any that
+    # a session attached meanwhile, still without series, left uncounted).
+    if len(children) <= len(daemon.links.owners) - len(daemon.arbiter.by_sid):
+        return
+    keyed: list[Mapping[tuple[str, ...], object]] = [children, *(_series(g) for g in m.session_gauges)]
+    for series_of in keyed:
+        for i, gone in enumerate(list(series_of)):
+            if i and i % (4 * per_step) == 0:
+                yield
+            if gone in series_of and not _live(daemon, gone):
+                m.forget_session(cast("tuple[str, str, str, str]", gone))
 
 
-def _label_sets(gauge: object) -> list[tuple[str, ...]]:
-    return list(getattr(gauge, "_metrics", {}).keys())
+def _live(daemon: Daemon, labels: tuple[str, ...]) -> bool:
+    """Whether these are the labels of a session that is still attached (now, not at the pass's start)."""
+    gpu, sid = int(labels[0]), int(labels[1])
+    conn = daemon.links.owners.get(sid)
+    return (conn is not None and not conn.closing and conn.sessions.get(sid) == gpu
+            and not daemon.arbiter.owns(sid) and session_labels(gpu, sid, conn.name, conn.pid) == labels)
+
+
+def _series(gauge: object) -> dict[tuple[str, ...], object]:
+    """A labelled gauge's series by label values (prometheus-client keeps them so)."""
+    found: dict[tuple[str, ...], object] = getattr(gauge, "_metrics", {})
+    return found

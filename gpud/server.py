@@ -18,6 +18,7 @@ carried out); only an inconsistent scheduler stops the daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from typing import Any
@@ -38,7 +39,7 @@ from gpud.effects import Effects
 from gpud.faults import Faults
 from gpud.links import Links
 from gpud.locks import Locks
-from gpud.metrics import Metrics
+from gpud.metrics import Metrics, session_labels
 from gpud.parts import Pieces
 from gpud.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
 from gpud.views import Views
@@ -133,6 +134,8 @@ class Daemon:
                 part.connection_closed(conn, now)
             except Exception as exc:
                 self.faults.record("close", exc, client=conn.client_id, part=type(part).__name__)
+        for sid, gpu in conn.sessions.items():  # left by a failed cleanup: their gauges go all the same
+            self.metrics.node.forget_session(session_labels(gpu, sid, conn.name, conn.pid))
         conn.sessions.clear()
         if sum(conn.protocol_errors.values()) > 1:  # the first was logged when it came
             log.info("protocol_errors", client=conn.client_id, pid=conn.pid, counts=dict(conn.protocol_errors))
@@ -149,7 +152,13 @@ class Daemon:
 
     def reload(self, config: Config, now: int) -> tuple[list[str], list[str]]:
         """Apply what can change live: (keys changed now, keys whose change waits for a restart).
-        The latter keep their running values, so the daemon's config is always what is in force."""
+
+        A key changes only if its loaded value (file, environment, flags) differs from the last
+        load's: ``self.config`` holds the last load's values of every live key, as run-time
+        changes (gpuctl tq, mode, sched, policy, limit) live in the schedulers and the arbiter,
+        never in it. So a run-time change survives a reload that leaves its key alone, and a
+        reload that changes its key replaces it (the file's change is the operator's newest
+        word). Restart keys keep their running values, and are reported while they differ."""
         old = self.config
         changed = [k for k in config.__struct_fields__ if getattr(old, k) != getattr(config, k)]
         later = [k for k in changed if k in RESTART_KEYS]
@@ -159,13 +168,10 @@ class Daemon:
         self.access.reconfigure(config)
         self.allocator.reconfigure(config)
         for slot in self.slots:
-            new = scheduler_config(config, slot.gpu)
             sched = slot.scheduler
-            if new.tq_us != sched.config.tq_us:
-                self.effects.carry_out(sched.set_tq(new.tq_us, now), now, slot)
-            if new.mode != sched.config.mode:
-                self.effects.carry_out(sched.set_mode(new.mode, now), now, slot)
-            self.effects.carry_out(sched.reconfigure(new, now), now, slot)
+            new = take_changes(sched.config, scheduler_config(old, slot.gpu), scheduler_config(config, slot.gpu))
+            if new != sched.config:
+                self.effects.carry_out(sched.reconfigure(new, now), now, slot)
         self.arbiter.reconfigure(config)
         return [k for k in changed if k not in later], later
 
@@ -177,6 +183,19 @@ class Daemon:
 
 # What only a restart can change: sockets, devices, the store, the metrics endpoint.
 RESTART_KEYS = frozenset({"socket", "socket_mode", "simulate", "state_dir", "state_sync", "metrics_addr"})
+
+
+def take_changes(running: Any, before: Any, after: Any) -> Any:
+    """``running`` (a frozen dataclass of settings, perhaps changed at run time) with the fields
+    that changed from ``before`` to ``after`` (two loads of the configuration) taken from
+    ``after``, nested settings field by field; the others keep their running values."""
+    changes = {}
+    for f in dataclasses.fields(running):
+        was, now = getattr(before, f.name), getattr(after, f.name)
+        if was != now:
+            value = getattr(running, f.name)
+            changes[f.name] = take_changes(value, was, now) if dataclasses.is_dataclass(value) else now
+    return dataclasses.replace(running, **changes) if changes else running
 
 
 def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:

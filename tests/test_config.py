@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gpud.config import ConfigError, build, load, parse_metrics_addr, read_environment, read_file
+from gpud_client.protocol import Mode
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -81,3 +83,22 @@ def test_the_daemon_refuses_to_start_on_a_bad_value(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 2 and "bad value for --window" in out.stderr
+
+
+def test_a_reload_takes_only_the_settings_whose_loaded_value_changed() -> None:
+    from gpud.core.quota import QuotaConfig
+    from gpud.core.scheduler import SchedulerConfig
+    from gpud.server import take_changes
+
+    loaded = SchedulerConfig(tq_us=30_000_000, mode=Mode.AUTO, quota=QuotaConfig(window_us=2_000_000))
+    running = replace(loaded, tq_us=7_000_000, mode=Mode.SERIAL)  # gpuctl tq 7, gpuctl mode serial
+    # The file changed nothing the running values differ in: they stay.
+    again = replace(loaded, drop_timeout_us=5_000_000, quota=replace(loaded.quota, carryover_percent=50))
+    kept = take_changes(running, loaded, again)
+    assert (kept.tq_us, kept.mode, kept.drop_timeout_us, kept.quota.carryover_percent) == (
+        7_000_000, Mode.SERIAL, 5_000_000, 50)
+    # The file changed the TQ: its new value wins; the mode stays.
+    newer = replace(again, tq_us=12_000_000)
+    taken = take_changes(kept, again, newer)
+    assert (taken.tq_us, taken.mode) == (12_000_000, Mode.SERIAL)
+    assert take_changes(running, loaded, loaded) is running

@@ -41,10 +41,22 @@ CONNECT_TIMEOUT_S = 5.0
 READ_BYTES = 65536
 
 
+class _Reader(asyncio.StreamReader):
+    """A stream whose failure reads as its end, after what arrived before it: asyncio's own
+    raises the failure at once, and a write that fails (EPIPE: the daemon refused the connection
+    and closed) would hide the ERROR that says why, already read."""
+
+    lost: BaseException | None = None
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.lost = exc
+        self.feed_eof()
+
+
 class Wire:
     """One connection: the stream and its framing."""
 
-    def __init__(self, path: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, path: str, reader: _Reader, writer: asyncio.StreamWriter) -> None:
         self.path = path
         self._reader = reader
         self._writer = writer
@@ -52,12 +64,15 @@ class Wire:
 
     @classmethod
     async def open(cls, path: str) -> Wire:
+        loop = asyncio.get_running_loop()
+        reader = _Reader(limit=READ_BYTES, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_unix_connection(path)
+                transport, _ = await loop.create_unix_connection(lambda: protocol, path)
         except OSError as exc:  # TimeoutError included
             raise unreachable(path, exc.strerror or str(exc) or "timed out") from None
-        return cls(path, reader, writer)
+        return cls(path, reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     def write(self, data: bytes) -> None:
         if not self._writer.is_closing():  # else the reader sees the end and tells the core
@@ -76,6 +91,8 @@ class Wire:
                 data = await self._reader.read(READ_BYTES)
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
+            if not data and self._reader.lost is not None:
+                raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {self._reader.lost}")
             self._inbox.feed(data)
         return self._inbox.pop()
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from gpud_client import protocol as p
-from gpud_client.errors import DaemonUnavailable, ProtocolError
+from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError, error_from
 
 
 def unreachable(path: str, reason: str) -> DaemonUnavailable:
@@ -84,6 +84,10 @@ class Connection:
         try:
             self.sock.sendall(self._codec.encode(msg))
         except OSError as exc:
+            # The daemon may have said why it closed before we wrote (a refused connection).
+            said = self._last_words(len(self._backlog))
+            if said is not None:
+                raise said from None
             raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
 
     def send_raw(self, data: bytes) -> None:
@@ -111,17 +115,45 @@ class Connection:
 
     def call(self, msg: msgspec.Struct, timeout: float | None = 10.0) -> Any:
         """Send a request and wait for its answer. Messages that arrive first
-        are kept for ``recv``. Only for a connection no other thread reads."""
+        are kept for ``recv``. Only for a connection no other thread reads.
+
+        A connection that ends before the answer, after an ERROR without a request id (a refusal
+        by a cap, a missed HELLO deadline), raises that ERROR: it is why the daemon closed."""
+        since = len(self._backlog)
         self.send(msg)
         rid = getattr(msg, "id")
         while True:
-            reply = self._recv(timeout)
+            try:
+                reply = self._recv(timeout)
+            except DaemonUnavailable:
+                said = self._last_words(since)
+                if said is not None:
+                    raise said from None
+                raise
             if getattr(reply, "id", None) != rid:
                 self._backlog.append(reply)
                 continue
             if isinstance(reply, p.Error):
                 raise ProtocolError(reply.code, reply.message)
             return reply
+
+    def _last_words(self, since: int) -> ProtocolError | None:
+        """The last ERROR without a request id that the daemon sent before closing: among the
+        messages kept since ``since``, and what is still unread (read without waiting)."""
+        try:
+            while data := self.sock.recv(65536, socket.MSG_DONTWAIT):
+                self._inbox.feed(data)
+        except (OSError, GpudError):  # all read, reset, or garbled: what was whole is kept
+            pass
+        try:
+            while self._inbox:
+                self._backlog.append(self._inbox.pop())
+        except GpudError:
+            pass
+        for said in reversed(list(self._backlog)[since:]):
+            if isinstance(said, p.Error) and said.id is None:
+                return error_from(said.code, said.message)
+        return None
 
     def hello(self, name: str = "", labels: dict[str, str] | None = None) -> p.Welcome:
         welcome: p.Welcome = self.call(
