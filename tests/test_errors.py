@@ -22,6 +22,7 @@ EXAMPLES: list[BaseException] = [
     PermissionDenied(ErrorCode.PERMISSION_DENIED, "needs admin rights"),
     error_from(ErrorCode.PERMISSION_DENIED, "another client's limits"),
     LockLost(3, 1, "revoked: DROP_LOCK ignored for 10 s"),
+    LockLost(3, 1, "the connection to gpud was lost", in_use=False),
     MemoryLimitExceeded(4, 9 << 30, 8 << 30),
     FrameTooLarge(70_000, 65_536),
 ]

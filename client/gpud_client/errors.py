@@ -40,20 +40,25 @@ def error_from(code: ErrorCode | str, message: str) -> ProtocolError:
 
 
 class LockLost(GpudError):
-    """The session held the GPU lock and lost it while the application still used it: the
-    connection to gpud died, or gpud revoked the lock (a DROP_LOCK ignored too long).
+    """The session held the GPU lock and lost it: the connection to gpud died, or gpud revoked
+    the lock (a DROP_LOCK ignored too long).
 
-    The work since then ran without arbitration. ``on_lost`` is called at once; this is raised
-    at the end of the running slice, or by ``release()`` after ``acquire()``."""
+    ``in_use``: a slice was running, so the work since then ran without arbitration; this is
+    raised at the end of that slice, or by ``release()`` after ``acquire()``. A lock kept between
+    slices (``in_use`` False) ran no work: ``on_lost`` is told, nothing is raised, and the next
+    slice takes the lock afresh."""
 
-    def __init__(self, session: int, gpu: int, why: str) -> None:
-        super().__init__(f"session {session} lost the GPU lock on GPU {gpu}: {why}; the work since then ran unarbitrated")
+    def __init__(self, session: int, gpu: int, why: str, in_use: bool = True) -> None:
+        what = ("the work since then ran unarbitrated" if in_use
+                else "it was kept between slices, so no work ran without it")
+        super().__init__(f"session {session} lost the GPU lock on GPU {gpu}: {why}; {what}")
         self.session = session
         self.gpu = gpu
         self.why = why
+        self.in_use = in_use
 
-    def __reduce__(self) -> tuple[type[LockLost], tuple[int, int, str]]:
-        return type(self), (self.session, self.gpu, self.why)
+    def __reduce__(self) -> tuple[type[LockLost], tuple[int, int, str, bool]]:
+        return type(self), (self.session, self.gpu, self.why, self.in_use)
 
 
 class MemoryLimitExceeded(GpudError):

@@ -273,10 +273,11 @@ class ClientCore(SliceRules):
         return [*self._lose(s, f"gpud revoked it ({msg.reason})"), WAKE]
 
     def _lose(self, s: SessionState, why: str) -> list[Action]:
-        err = LockLost(s.id, s.gpu, why)
+        """A warning only when work ran under it: a lock kept between slices goes without harm."""
+        err = LockLost(s.id, s.gpu, why, in_use=s.in_slice)
         if s.in_slice:
             s.lost = err
-        return [Log(Level.WARNING, str(err)), CallOnLost(s, err)]
+        return [Log(Level.WARNING if s.in_slice else Level.INFO, str(err)), CallOnLost(s, err)]
 
 
 

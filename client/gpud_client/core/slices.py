@@ -160,12 +160,19 @@ class SliceRules:
         return sid if self.connected else 0
 
     def idle_sweep(self, now: float) -> list[Action]:
-        """Give back locks no slice has used for ``idle_release``; ``idle_wake_at``: when to look next."""
+        """Give back locks no slice has used for ``idle_release``; ``idle_wake_at``: when to look next.
+
+        A lock in use by a slice cannot go idle before ``now + idle_release``, so the sweep looks again
+        then: were it to wait for the slice's end to arm it, every slice's end would wake the driver's
+        idle thread, whose turn at the interpreter lands between two kernels and is billed as GPU time."""
         actions: list[Action] = []
         wake = math.inf
         for s in self.sessions.values():
-            if s.state != "holding" or s.idle_release is None or s.in_slice or s.entering:
-                continue  # a slice in use is never idle; its end arms the sweep again
+            if s.state != "holding" or s.idle_release is None:
+                continue
+            if s.in_slice or s.entering:  # never idle while in use
+                wake = min(wake, now + s.idle_release)
+                continue
             at = s.last_used + s.idle_release
             if at <= now:
                 s.state = "releasing"
