@@ -56,7 +56,7 @@ try:
     from airflow.sdk import BaseOperator, Context, get_current_context
     from airflow.sdk.exceptions import AirflowException, AirflowFailException
 except ImportError as exc:  # the base client needs msgspec alone; this module needs Airflow too
-    raise ImportError(f"gpud_client.airflow needs Airflow: pip install 'gpud-client[airflow]' ({exc})") from exc
+    raise ImportError(f"gpud_client.airflow needs Airflow: pip install './client[airflow]' from a checkout of gpud ({exc})") from exc
 
 from gpud_client import protocol as p
 from gpud_client.client import Client

@@ -10,7 +10,7 @@ memory, ceilings the task cannot raise. Its GPU work then runs in slices of the
 time-sliced lock::
 
     @ray.remote(num_gpus=0.25)
-    @gpud_task                       # the whole body is one slice
+    @gpud_task                       # the whole body is one slice, paused where it stands when gpud asks
     def embed(batch): ...
 
     @ray.remote(num_gpus=0.25)
@@ -23,6 +23,12 @@ time-sliced lock::
     @ray.remote(num_gpus=0.5)
     @gpud_actor                      # every method call is a slice; the session lives with the actor
     class Model: ...
+
+A whole body (and a sync actor's call) is a ``PausableSlice``: when gpud asks the task to yield (its
+budget is used, or its time quantum is up) the body is paused at its next Python bytecode, gives the
+lock back and goes on at its next grant, so a task of any length keeps to its share instead of being
+revoked for not answering. Ray runs tasks and sync actors' calls on the worker's main thread, which is
+what can be paused so; a threaded or async actor's call answers at its end, as a ``gpud_slice()`` does.
 
 The node's gpud is found from the ``socket`` argument, else ``$GPUD_SOCKET`` as
 the node's Ray was started with (workers inherit the raylet's environment),
@@ -43,18 +49,19 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 try:
     import ray
 except ImportError as exc:  # the base client needs msgspec alone; this module needs Ray too
-    raise ImportError(f"gpud_client.ray needs Ray: pip install 'gpud-client[ray]' ({exc})") from exc
+    raise ImportError(f"gpud_client.ray needs Ray: pip install './client[ray]' from a checkout of gpud ({exc})") from exc
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.pausing import PausableSlice, Slices
 from gpud_client.units import parse_bytes
 
 log = logging.getLogger("gpud_client.ray")
@@ -147,13 +154,16 @@ class Binding:
         total = next((g.memory_total_bytes for g in self.client.welcome.gpus if g.index == gpu), 0)
         return int(total * min(share, 1.0)) or None
 
-    @contextlib.contextmanager
-    def slice(self) -> Iterator[None]:
-        """Every session's slice, in GPU order (so two multi-GPU tasks never wait on each other)."""
-        with contextlib.ExitStack() as stack:
-            for s in self.sessions:
-                stack.enter_context(s.slice())
-            yield
+    def slice(self) -> contextlib.AbstractContextManager[Any]:
+        """Every session's slice, in GPU order (so two multi-GPU tasks never wait on each other). No
+        generator for the usual one GPU: its entry and exit run between two kernels, billed."""
+        if len(self.sessions) == 1:
+            return self.sessions[0].slice()
+        return Slices(self.sessions) if self.sessions else contextlib.nullcontext()
+
+    def body(self) -> PausableSlice:
+        """A whole body (or a sync actor's call) as one slice that gpud may pause where it stands."""
+        return PausableSlice(self.sessions)
 
     def close(self) -> None:
         """Detach the sessions and free the allocation (the daemon also reclaims it if the worker dies)."""
@@ -234,11 +244,9 @@ def current_binding() -> Binding:
     return binding
 
 
-@contextlib.contextmanager
-def gpud_slice() -> Iterator[None]:
-    """One unit of the running task's GPU work under gpud's lock."""
-    with current_binding().slice():
-        yield
+def gpud_slice() -> contextlib.AbstractContextManager[Any]:
+    """One unit of the running task's GPU work under gpud's lock: ``with gpud_slice(): ...``."""
+    return current_binding().slice()
 
 
 def current_sessions() -> list[Session]:
@@ -274,7 +282,7 @@ def _run_task(func: Callable[..., Any], options: Options, whole: bool, args: Any
     binding = _bindings[key] = _running.binding = Binding(key, options).open()
     try:
         if whole:
-            with binding.slice():
+            with binding.body():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
     finally:
@@ -307,7 +315,7 @@ def _start_actor(actor: Any, init: Callable[..., None], options: Options, args: 
     binding = _bindings[key] = Binding(key, options).open()
     _actor[:] = [binding]  # a Ray worker process is one actor for its whole life
     atexit.register(binding.close)
-    with binding.slice():  # a constructor that loads a model is GPU work too
+    with binding.body():  # a constructor that loads a model is GPU work too
         init(actor, *args, **kwargs)
 
 
@@ -322,7 +330,7 @@ def _sliced_method(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with gpud_slice():
+        with current_binding().body():
             return method(self, *args, **kwargs)
 
     return run
