@@ -134,18 +134,19 @@ class PausableSlice(Slices):
             _pass_on(self._previous, signum, frame)  # not ours: sent from outside
             return
         self._asked.clear()
-        if self._pausing or not self._active:
+        if not self._active:
             return
-        if any(s.client._lock._is_owned() for s in self.sessions):  # type: ignore[attr-defined]
-            threading.Timer(RETRY_S, self._ask).start()  # inside the client: never pause there
+        if self._pausing or any(s.client._lock._is_owned() for s in self.sessions):  # type: ignore[attr-defined]
+            # Inside a pause (a handler runs between any two bytecodes, its own too) or inside the
+            # client: never pause there, and never forget the request either.
+            threading.Timer(RETRY_S, self._ask).start()
             return
-        if not any(s.drop_pending is not None for s in self.sessions):
-            return  # answered meanwhile (revoked, or the connection lost): the end of the body tells
         self._pausing = True
         try:
-            self.pauses += 1
-            self._exit_all()  # gives back the locks asked for; keeps the rest
-            self._enter_all()  # waits for the next grant
+            while any(s.drop_pending is not None for s in self.sessions):  # none: answered meanwhile
+                self.pauses += 1
+                self._exit_all()  # gives back the locks asked for; keeps the rest
+                self._enter_all()  # waits for the next grant, which a new drop may follow at once
         finally:
             self._pausing = False
 

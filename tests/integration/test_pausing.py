@@ -124,3 +124,45 @@ def test_the_lock_is_free_for_others_while_the_body_is_paused(gpud: DaemonProces
             long_body(during=lambda: None)
             assert granted.is_set()  # while the body was paused, not after it
         t.join(10)
+
+
+class _FakeSession:
+    """Enough of a sync Session for PausableSlice, without a daemon: its slice's entry can be made to
+    bring a new DROP_LOCK at once, as a short time quantum does right after a grant."""
+
+    def __init__(self) -> None:
+        self.client = self
+        self._lock = threading.RLock()
+        self.on_drop: Callable[[object], None] | None = None
+        self.drop_pending: str | None = None
+        self.entries = 0
+        self.redrop = 1  # drops that come with the next entries
+
+    def slice(self) -> _FakeSession:
+        return self
+
+    def __enter__(self) -> _FakeSession:
+        self.entries += 1
+        if self.entries > 1 and self.redrop:  # re-granted, and asked to yield again at once: its hook
+            self.redrop -= 1  # runs before the pause has ended (here, at once, in this very thread)
+            self.drop_pending = "tq"
+            assert self.on_drop is not None
+            self.on_drop("tq")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop_pending = None  # the lock is given back at the slice's end
+
+    def drop(self, reason: str) -> None:
+        self.drop_pending = reason
+        assert self.on_drop is not None
+        threading.Thread(target=self.on_drop, args=(reason,)).start()  # a hook thread, as the client's
+
+
+def test_a_drop_that_comes_during_a_pause_is_answered_too() -> None:
+    s = _FakeSession()
+    with PausableSlice([s]) as body:  # type: ignore[list-item]
+        s.drop("quota")
+        eventually(lambda: body.pauses == 2 and s.drop_pending is None, "both drops answered",
+                   why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}")
+    assert s.entries == 3
