@@ -208,12 +208,12 @@ def test_a_retry_after_a_crash_gets_a_working_allocation_and_the_first_is_not_ke
 
 
 def test_a_task_longer_than_the_drop_timeout_keeps_to_its_share_and_completes(
-    daemon_factory: Callable[..., DaemonProcess]
+    node: DaemonProcess, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
     """The whole body is one slice: at 0.25 it uses its budget within a window and is asked to yield.
     It used to be unable to answer until the body ended, and was revoked (LockLost) after the drop
     timeout; now it is paused where it stands and resumed at its next grant."""
-    strict = daemon_factory("--simulate", "2", "--window", "0.5", "--drop-timeout", "1")
+    strict = daemon_factory("--simulate", "2", "--window", "0.5", "--drop-timeout", "1")  # Ray is node's
 
     def body(seconds: float) -> dict[str, Any]:
         kernels, start = 0, time.monotonic()
