@@ -50,6 +50,15 @@ def torch_memory_probe(device: int | None = None, torch: Any = None) -> Callable
     return lambda: int(torch.cuda.memory_reserved(dev))
 
 
+def torch_synchronize(device: int, torch: Any = None) -> Callable[[], None] | None:
+    """``torch.cuda.synchronize(device)``, for a session's ``synchronize`` hook, when the application
+    uses torch with CUDA: the lock goes back only once the GPU work queued under it has run."""
+    torch = torch if torch is not None else loaded_torch_with_cuda()
+    if torch is None:
+        return None
+    return lambda: torch.cuda.synchronize(device)
+
+
 def default_memory_probe(framework_hooks: bool) -> Callable[[], int] | None:
     """PyTorch's reserved memory when the application uses torch with CUDA and hooks are on."""
     return torch_memory_probe() if framework_hooks else None

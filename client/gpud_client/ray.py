@@ -61,6 +61,7 @@ except ImportError as exc:  # the base client needs msgspec alone; this module n
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.frameworks import torch_synchronize
 from gpud_client.pausing import PausableSlice, Slices
 from gpud_client.units import parse_bytes
 
@@ -120,11 +121,12 @@ class Binding:
                     "gpud's ledger has other allocations there; Ray and gpud must own the same GPUs"
                 )
             memory = self._memory_limit()
-            for gpu in ids:
+            for local, gpu in enumerate(ids):  # Ray makes the task's GPUs its CUDA devices 0, 1, ...
                 self.sessions.append(self.client.session(
                     gpu, task_id=self.task_id, priority=self.options.priority,
                     idle_release=self.options.idle_release, mem_limit=memory,
                     mem_estimate=self._estimate(gpu, share), framework_hooks=self.options.memory is not None,
+                    synchronize=torch_synchronize(local),
                 ))
         except BaseException:
             self.close()

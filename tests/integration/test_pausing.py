@@ -19,6 +19,7 @@ import pytest
 from gpud.spawn import DaemonProcess
 from gpud_client import Client, LockLost
 from gpud_client.client import Session
+from gpud_client.frameworks import torch_synchronize
 from gpud_client.pausing import PAUSE_SIGNAL, PausableSlice
 
 from .waiting import eventually
@@ -166,3 +167,21 @@ def test_a_drop_that_comes_during_a_pause_is_answered_too() -> None:
         eventually(lambda: body.pauses == 2 and s.drop_pending is None, "both drops answered",
                    why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}")
     assert s.entries == 3
+
+
+def test_each_pause_drains_the_gpu_work_on_the_bodys_own_thread(gpud: DaemonProcess) -> None:
+    """The lock goes back only after synchronize, which for torch must run on the thread whose
+    CUDA device it is: the body's own (a hook thread's current device is always the first)."""
+    synced: list[tuple[int, bool]] = []
+
+    class Cuda:
+        def synchronize(self, device: int) -> None:
+            synced.append((device, threading.current_thread() is threading.main_thread()))
+
+    torch = type(os)("torch")
+    torch.cuda = Cuda()  # type: ignore[attr-defined]
+    with Client(gpud.socket, name="torchy") as c:
+        s = c.session(0, core_limit=25, idle_release=None, synchronize=torch_synchronize(0, torch=torch))
+        with PausableSlice([s]) as body:
+            long_body(1.5)
+    assert body.pauses >= 1 and synced[: body.pauses] == [(0, True)] * body.pauses
