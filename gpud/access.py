@@ -15,11 +15,11 @@ import structlog
 from gpud.config import Config
 from gpud.core.authority import PriorityRules, check_priority, lease_priority, priority_ceiling
 from gpud.core.leases import LeasePolicy
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud.state import ClientLink
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 
 
 class Access:

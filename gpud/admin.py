@@ -14,7 +14,7 @@ from gpud.links import Links
 from gpud.state import ClientLink, GpuRefs, Handler
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 
 
 class Admin:

@@ -35,7 +35,7 @@ from gpud.core.ledger import (
     TenantQuota,
     to_fixed,
 )
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud.faults import Faults
 from gpud.parts import Part, Pieces
 from gpud.store import Store, StoreError
@@ -43,7 +43,7 @@ from gpud.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 
-log = structlog.get_logger("gpud.allocator")
+log = structlog.get_logger(__name__)
 
 
 class Allocator(Part):

@@ -21,14 +21,15 @@ import structlog
 
 from gpud.config import Config
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
-from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Refused, Revoke
+from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Revoke
+from gpud.core.errors import Refused
 from gpud.metrics import Metrics
 from gpud.parts import Part, Pieces
 from gpud.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 
-log = structlog.get_logger("gpud.arbiter")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(eq=False)

@@ -25,7 +25,7 @@ from typing import Any, NoReturn, TypeVar, get_args
 import msgspec
 
 from gpud.core.ledger import to_fixed
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud.top import gpu_memory, gpu_mode, reserve_note, run as run_top
 from gpud_client import protocol as p
 from gpud_client.connection import Connection

@@ -17,7 +17,7 @@ import structlog
 from gpud.core.gpus import parse_simulate
 from gpud_client.units import printable
 
-log = structlog.get_logger("gpud.devices")
+log = structlog.get_logger(__name__)
 DEFAULT_SIMULATION = "2x80GiB"
 
 

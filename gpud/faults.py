@@ -16,7 +16,7 @@ import structlog
 
 from gpud.metrics import Metrics
 
-log = structlog.get_logger("gpud.faults")
+log = structlog.get_logger(__name__)
 _QUIET_S = 1.0
 
 

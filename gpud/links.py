@@ -21,12 +21,12 @@ import structlog
 import trio
 
 from gpud.config import Config
-from gpud.core.scheduler import LimitReached, Refused
+from gpud.core.errors import LimitReached, Refused
 from gpud.metrics import Metrics
 from gpud.state import ClientLink, Clock
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 
 
 class Links:

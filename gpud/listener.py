@@ -32,14 +32,14 @@ import structlog
 import trio
 
 from gpud.config import Config
-from gpud.core.scheduler import Inconsistent, LimitReached, Refused
+from gpud.core.errors import Inconsistent, LimitReached, Refused
 from gpud.devices import sampler_for
 from gpud.monitor import run_monitor
 from gpud.server import Daemon
 from gpud.state import ClientLink, GpuSlot
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 _PEERCRED = struct.Struct("3i")
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 # A connection's turn: this many messages (or reads) or this much time, whichever comes first.

@@ -16,14 +16,15 @@ import structlog
 
 from gpud.core.authority import fraction_ceilings
 from gpud.core.ledger import Allocation
-from gpud.core.scheduler import Drop, Grant, MemOverLimit, Refused, Revoke
+from gpud.core.scheduler import Drop, Grant, MemOverLimit, Revoke
+from gpud.core.errors import Refused
 from gpud.logging import debug
 from gpud.metrics import Metrics, session_labels
 from gpud.parts import Part, Pieces
 from gpud.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 
 # The allocation a new session of a connection on a GPU belongs to (its ceilings), if any.
 AllocationOf = Callable[[ClientLink, "str | None", int], "Allocation | None"]

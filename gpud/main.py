@@ -24,7 +24,7 @@ from gpud import lockfile, systemd
 from gpud.listener import open_listener, serve
 from gpud.server import Daemon
 
-log = structlog.get_logger("gpud")
+log = structlog.get_logger(__name__)
 
 
 # (flag, Config field, type, metavar, help); a flag left out keeps the file's,

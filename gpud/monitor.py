@@ -33,7 +33,7 @@ from gpud.metrics import session_labels
 from gpud.server import Daemon
 
 
-log = structlog.get_logger("gpud.monitor")
+log = structlog.get_logger(__name__)
 _DONE = object()
 
 

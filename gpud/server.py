@@ -33,7 +33,8 @@ from gpud.allocator import Allocator
 from gpud.arbiter import Arbiter
 from gpud.config import Config
 from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import GpuScheduler, Refused, SchedulerConfig
+from gpud.core.scheduler import GpuScheduler, SchedulerConfig
+from gpud.core.errors import Refused
 from gpud.devices import Gpu
 from gpud.effects import Effects
 from gpud.faults import Faults
@@ -45,7 +46,7 @@ from gpud.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
 from gpud.views import Views
 from gpud_client import protocol as p
 
-log = structlog.get_logger("gpud.server")
+log = structlog.get_logger(__name__)
 
 class Daemon:
     """State shared by every connection: GPUs, schedulers, who owns what."""

@@ -25,7 +25,8 @@ import gpud.allocator
 import gpud.listener
 import gpud.monitor
 from gpud.config import Config
-from gpud.core.scheduler import Grant, Inconsistent
+from gpud.core.scheduler import Grant
+from gpud.core.errors import Inconsistent
 from gpud.devices import Gpu, Reading, simulated_gpus
 from gpud.listener import open_listener, serve
 from gpud.metrics import Metrics

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from gpud.config import Config, TenantConfig
 from gpud.core.ledger import UNIT
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
 from gpud.metrics import FAULT_PLACES, Metrics

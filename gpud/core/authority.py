@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from gpud.core.leases import LeasePolicy
 from gpud.core.ledger import UNIT, Allocation
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud_client.protocol import ErrorCode
 
 ADMIN_PRIORITY = 100

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpud.core.scheduler import LimitReached, Refused
+from gpud.core.errors import LimitReached, Refused
 from gpud_client.protocol import ErrorCode, Strategy
 
 UNIT = 10_000  # one GPU

@@ -56,6 +56,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from gpud.core.quota import ComputeAccounts, QuotaConfig
+from gpud.core.errors import Inconsistent, LimitReached, Refused
 from gpud.core.snapshots import HolderView, SchedulerView, SessionState, SessionView, WaiterView
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode, RevokeReason
 
@@ -65,11 +66,8 @@ __all__ = [
     "GpuScheduler",
     "Grant",
     "HoldOverdue",
-    "Inconsistent",
-    "LimitReached",
     "LeaseDenied",
     "MemOverLimit",
-    "Refused",
     "Revoke",
     "SchedulerConfig",
 ]
@@ -121,27 +119,6 @@ class HoldOverdue:
 
 
 Effect = Grant | Drop | Revoke | MemOverLimit | LeaseDenied | HoldOverdue
-
-
-class Inconsistent(Exception):
-    """The scheduler's records contradict each other: a bug; the daemon must stop."""
-
-
-class Refused(Exception):
-    """A well-formed call the rules do not allow. Nothing was changed."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class LimitReached(Refused):
-    """Refused by one of the daemon's caps, named by its configuration key."""
-
-    def __init__(self, cap: str, message: str) -> None:
-        super().__init__(ErrorCode.LIMIT_REACHED, f"{message} ({cap})")
-        self.cap = cap
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ from gpud.core.authority import (
 )
 from gpud.core.ledger import UNIT, Allocation
 from gpud.core.leases import LeasePolicy, resolve_terms
-from gpud.core.scheduler import GpuScheduler, Refused, SchedulerConfig
+from gpud.core.scheduler import GpuScheduler, SchedulerConfig
+from gpud.core.errors import Refused
 from gpud_client.protocol import BusyPolicy, ErrorCode
 
 from .statecheck import state_of

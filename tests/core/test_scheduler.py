@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import Drop, Grant, GpuScheduler, LeaseDenied, Refused, Revoke, SchedulerConfig
+from gpud.core.scheduler import Drop, Grant, GpuScheduler, LeaseDenied, Revoke, SchedulerConfig
+from gpud.core.errors import Refused
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, RevokeReason
 
 from .statecheck import state_of

@@ -14,18 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import (
-    Drop,
-    Effect,
-    Grant,
-    GpuScheduler,
-    HoldOverdue,
-    LeaseDenied,
-    MemOverLimit,
-    Refused,
-    Revoke,
-    SchedulerConfig,
-)
+from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, HoldOverdue, LeaseDenied, MemOverLimit, Revoke, SchedulerConfig
+from gpud.core.errors import Refused
 from gpud_client.protocol import DropReason, Mode
 
 from .statecheck import state_of

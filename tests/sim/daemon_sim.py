@@ -97,7 +97,7 @@ from prometheus_client import CollectorRegistry
 from gpud.config import Config, PolicyConfig, TenantConfig
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient
-from gpud.core.scheduler import Refused
+from gpud.core.errors import Refused
 from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
 from gpud.metrics import Metrics
