@@ -20,7 +20,7 @@ from collections.abc import Callable
 import structlog
 
 from gpud.config import Config
-from gpud.core.authority import owning_allocation
+from gpud.core.authority import Members, check_may_free, check_task_owner, check_tenant, owning_allocation
 from gpud.core.ledger import (
     UNIT,
     Allocation,
@@ -301,35 +301,24 @@ class Allocator(Part):
         except Refused as exc:
             raise Refused(p.ErrorCode.UNKNOWN_GPU, f"{exc.message} in prefer") from None
 
-    def _member(self, conn: ClientLink, tenant: str) -> bool:
-        t = self.config.tenants.get(tenant)
-        if t is None:
-            return False
-        return (not t.uids and not t.gids) or conn.uid in t.uids or conn.gid in t.gids
+    # Who may ask for, allocate as and free what: the rules are gpud.core.authority's.
+
+    def _members(self, tenant: str | None) -> Members | None:
+        t = self.config.tenants.get(tenant or "")
+        return None if t is None else Members(frozenset(t.uids), frozenset(t.gids))
 
     def _check_owner(self, conn: ClientLink, task_id: str, what: str) -> None:
-        """Another uid's task id is refused, never answered with its devices."""
         owner = self.uids.get(task_id)
         if owner is None and task_id in self.waiters:
             owner = self.waiters[task_id][0].uid
-        if owner is not None and owner != conn.uid and not self.access.is_admin(conn):
-            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} belongs to uid {owner}: you may not {what} it")
+        check_task_owner(task_id, owner, conn.uid, admin=self.access.is_admin(conn), what=what)
 
     def _check_member(self, conn: ClientLink, tenant: str) -> None:
-        if tenant in self.config.tenants and not self._member(conn, tenant) and not self.access.is_admin(conn):
-            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"uid {conn.uid} may not allocate as tenant {tenant!r}")
+        check_tenant(tenant, self._members(tenant), conn.uid, conn.gid, admin=self.access.is_admin(conn))
 
     def _check_may_free(self, conn: ClientLink, alloc: Allocation) -> None:
-        if self.access.is_admin(conn) or self.uids.get(alloc.task_id) == conn.uid:
-            return
-        t = self.config.tenants.get(alloc.tenant or "")
-        if t is not None and (conn.uid in t.uids or conn.gid in t.gids):  # listed members, never "anyone"
-            return
-        raise Refused(
-            p.ErrorCode.PERMISSION_DENIED,
-            f"task {alloc.task_id!r} belongs to tenant {alloc.tenant!r} / uid {self.uids.get(alloc.task_id)}; "
-            f"freeing it needs admin rights",
-        )
+        check_may_free(alloc.task_id, self.uids.get(alloc.task_id), alloc.tenant, self._members(alloc.tenant),
+                       conn.uid, conn.gid, admin=self.access.is_admin(conn))
 
 
 def _quotas(config: Config) -> dict[str, TenantQuota]:

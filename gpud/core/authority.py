@@ -10,6 +10,11 @@ Rules kept here:
   policy's priority (or the lower one it asked for) cut to the caller's ceiling,
   unless the policy names the caller among its uids or gids. A policy that names
   uids or gids is reserved to them (and admins): anyone else is refused.
+- A task id belongs to the uid that allocated (or is waiting for) it: another
+  uid's request for it is refused, never answered with its devices. Only a
+  tenant's members may allocate as it (a tenant that lists no uids or gids is
+  open to all); freeing another uid's task needs admin rights or membership of
+  a tenant that *lists* the freeing uid or gid ("open to all" frees nothing).
 - Limits set by an admin or derived from a fractional allocation are ceilings
   (kept by the scheduler, see ``scheduler.py``).
 - A session belongs to a fractional allocation on its GPU when it names the
@@ -50,6 +55,42 @@ def priority_ceiling(rules: PriorityRules, uid: int, gids: Iterable[int], *, adm
         return rules.by_uid[uid]
     caps = [rules.by_gid[g] for g in gids if g in rules.by_gid]
     return max(caps) if caps else rules.default_max
+
+
+@dataclass(frozen=True, slots=True)
+class Members:
+    """Who belongs to a tenant; none listed: anyone may allocate as it (but free nobody's tasks)."""
+
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    def lists(self, uid: int, gid: int) -> bool:
+        return uid in self.uids or gid in self.gids
+
+
+def check_task_owner(task_id: str, owner: int | None, uid: int, *, admin: bool, what: str) -> None:
+    """Another uid's task id is refused, never answered with its devices (``owner`` None: nobody's yet)."""
+    if owner is not None and owner != uid and not admin:
+        raise Refused(ErrorCode.PERMISSION_DENIED, f"task {task_id!r} belongs to uid {owner}: you may not {what} it")
+
+
+def check_tenant(tenant: str, members: Members | None, uid: int, gid: int, *, admin: bool) -> None:
+    """Only a tenant's members (anyone, if it lists none) allocate as it; an unknown tenant is the ledger's to refuse."""
+    if members is None or admin or not (members.uids or members.gids) or members.lists(uid, gid):
+        return
+    raise Refused(ErrorCode.PERMISSION_DENIED, f"uid {uid} may not allocate as tenant {tenant!r}")
+
+
+def check_may_free(
+    task_id: str, owner: int | None, tenant: str | None, members: Members | None, uid: int, gid: int, *, admin: bool
+) -> None:
+    """Its own uid, an admin, or a member a tenant lists by name (never "anyone") may free a task."""
+    if admin or owner == uid or (members is not None and members.lists(uid, gid)):
+        return
+    raise Refused(
+        ErrorCode.PERMISSION_DENIED,
+        f"task {task_id!r} belongs to tenant {tenant!r} / uid {owner}; freeing it needs admin rights",
+    )
 
 
 def check_priority(asked: int | None, ceiling: int, what: str) -> None:

@@ -10,6 +10,10 @@ import pytest
 
 from gpud.core.authority import (
     ADMIN_PRIORITY,
+    Members,
+    check_may_free,
+    check_task_owner,
+    check_tenant,
     PriorityRules,
     check_priority,
     fraction_ceilings,
@@ -290,3 +294,37 @@ def test_a_reserved_policy_refuses_anyone_else_and_says_who_may_use_it() -> None
         lease_priority("ASR", RESERVED, 90, 3000, [7], admin=False, ceiling=100)
     assert exc.value.code == ErrorCode.PERMISSION_DENIED
     assert "peer uid 3000" in str(exc.value)
+
+
+# --- whose task, which tenant ---------------------------------------------------------------
+
+TEAM = Members(uids=frozenset({1000}), gids=frozenset({20}))
+OPEN_TENANT = Members()
+
+
+def test_another_uids_task_is_refused_unless_admin_or_nobodys_yet() -> None:
+    with pytest.raises(Refused, match="task 'etl' belongs to uid 1000: you may not ask for it") as exc:
+        check_task_owner("etl", 1000, 2000, admin=False, what="ask for")
+    assert exc.value.code == ErrorCode.PERMISSION_DENIED
+    check_task_owner("etl", 1000, 1000, admin=False, what="ask for")
+    check_task_owner("etl", 1000, 2000, admin=True, what="ask for")
+    check_task_owner("etl", None, 2000, admin=False, what="ask for")
+
+
+def test_only_a_tenants_members_allocate_as_it_and_an_open_tenant_takes_anyone() -> None:
+    check_tenant("team", TEAM, 1000, 5, admin=False)
+    check_tenant("team", TEAM, 3000, 20, admin=False)
+    check_tenant("lab", OPEN_TENANT, 3000, 5, admin=False)
+    check_tenant("team", TEAM, 3000, 5, admin=True)
+    check_tenant("unknown", None, 3000, 5, admin=False)  # the ledger refuses an unknown tenant
+    with pytest.raises(Refused, match="uid 3000 may not allocate as tenant 'team'"):
+        check_tenant("team", TEAM, 3000, 5, admin=False)
+
+
+def test_freeing_another_uids_task_needs_admin_or_being_listed_by_its_tenant() -> None:
+    check_may_free("t", 1000, None, None, 1000, 5, admin=False)  # its own
+    check_may_free("t", 1000, "team", TEAM, 3000, 20, admin=False)  # listed by gid
+    check_may_free("t", 1000, None, None, 3000, 5, admin=True)
+    for tenant, members in (("lab", OPEN_TENANT), (None, None), ("team", TEAM)):  # "anyone" frees nothing
+        with pytest.raises(Refused, match="freeing it needs admin rights"):
+            check_may_free("t", 1000, tenant, members, 3000, 5, admin=False)
