@@ -24,7 +24,7 @@ every client here shares one uid) in its own process, on its Unix socket only:
   same 2 cores as the daemon and cost as much CPU per op as it does; at 20-80 ms
   the host is 90 % busy, lock holds stretch from 1.1 ms to ~6 ms waiting for CPU
   to deliver LOCK_OK and LOCK_RELEASED, and the figures measure the machine's
-  starvation rather than gpud (the README gives both loads' figures).
+  starvation rather than gpud (docs/benchmarks.md gives both loads' figures).
   Clients start at random points of their first think time.
 - an op is one round trip, timed in the client from the call to its return:
   ``lock`` = acquire() (LOCK_REQUEST -> LOCK_OK through the client's reader

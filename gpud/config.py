@@ -69,7 +69,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     mode: Mode = Mode.AUTO
     memory_reserve_percent: Annotated[int, Meta(ge=0, le=90)] = 10
     # Compute limits. The defaults of carryover and drop tail were chosen by
-    # bench/quota_accuracy.py (the smallest error); see the README.
+    # bench/quota_accuracy.py (the smallest error); see docs/benchmarks.md.
     compute_window_s: Annotated[float, Meta(ge=0.1, le=60)] = 2.0
     quota_sample_interval_s: Annotated[float, Meta(ge=0.001, le=1)] = 0.05
     quota_carryover_percent: Percent = 100
@@ -93,7 +93,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admin_group: str = "gpud-admin"  # members may change limits, modes, policies; "" for none
     metrics_addr: str = DEFAULT_METRICS_ADDR  # HOST:PORT, or "off"
     max_frame_bytes: FrameBytes = MAX_FRAME_BYTES  # told to clients in WELCOME
-    # Caps on what clients can make the daemon hold (see the README's security model).
+    # Caps on what clients can make the daemon hold (see docs/security.md).
     max_connections: Cap = 1024  # lowered to what RLIMIT_NOFILE allows
     max_connections_per_uid: Cap = 256
     hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600)] = 5.0  # a connection silent this long is closed

@@ -104,9 +104,10 @@ def test_asking_again_for_a_task_id_with_other_terms_is_refused(daemon: DaemonPr
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "alloc_recipe.sh"
 
 
-def test_the_readme_quotes_the_recipe_as_it_is() -> None:
-    readme = (RECIPE.parents[1] / "README.md").read_text()
-    assert f"```sh\n{RECIPE.read_text()}```\n" in readme
+@pytest.mark.parametrize("page", ["README.md", "docs/allocations.md"])
+def test_the_docs_quote_the_recipe_as_it_is(page: str) -> None:
+    """The README's allocation example and the allocations page quote the recipe these tests run."""
+    assert f"```sh\n{RECIPE.read_text()}```\n" in (RECIPE.parents[1] / page).read_text()
 
 
 def run_recipe(d: DaemonProcess, task: str, *command: str) -> subprocess.CompletedProcess[str]:

@@ -145,7 +145,7 @@ def unwrapped_slice() -> dict[str, Any]:
 def test_the_fractions_ray_gave_cap_the_shares_the_tasks_get() -> None:
     """The example: 0.25 and 0.75 tasks on one GPU, a 0.5 actor on the other, kernels of 2-5 ms that
     always have work, measured over 10 windows after a warm-up. How close each comes to its fraction
-    depends on the machine (its figures are the example's to print, in the README); what holds on any
+    depends on the machine (its figures are the example's to print, in docs/ray.md); what holds on any
     machine is asserted: nobody holds the lock above its fraction, kernels run only under the lock,
     and the larger fraction gets the larger share."""
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_fractions.py"), "--json", "--window", "2",
