@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Each bootstraps .venv from the project's own files; nothing else to install.
-# `make install` puts gpud on a node as a systemd service (see the README).
+# `make install` puts gpud on a node as a systemd service (see docs/running.md).
 PYTHON ?= python3
 VENV := .venv
 # The demo needs gpud and its client alone; the tests add Ray, Airflow, pytest and mypy.
@@ -27,7 +27,7 @@ BUILD_SOURCES = pyproject.toml README.md gpud client/pyproject.toml client/gpud_
 # Local pip config may say more; only the version nag is turned off.
 PIP = PIP_DISABLE_PIP_VERSION_CHECK=1 '$(VENVDIR)/bin/python' -m pip
 
-.PHONY: demo test bench clean install uninstall
+.PHONY: demo test test-fast bench clean install uninstall
 
 $(BASE): pyproject.toml client/pyproject.toml
 	@echo "make: installing gpud and gpud-client into $(VENV) (once; about 20 s)"
@@ -47,6 +47,10 @@ demo: $(BASE)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
+# The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "core or inprocess"
+
 bench: $(STAMP)
 	$(VENV)/bin/python bench/handoff.py
 
@@ -57,7 +61,7 @@ clean:
 # (PEP 668). pip builds a local project inside its directory, so it builds from
 # a copy of BUILD_SOURCES: `sudo make install` leaves nothing root-owned in the
 # checkout, and no stale build/ from an earlier build reaches the installed package. Runs no
-# systemctl or systemd-sysusers: that is the operator's step (README), and it
+# systemctl or systemd-sysusers: that is the operator's step (docs/running.md), and it
 # keeps DESTDIR builds free of side effects on this machine.
 install:
 	@case '$(PREFIX)' in /?*) ;; *) echo 'PREFIX must be an absolute path of its own, e.g. /opt/gpud' >&2; exit 1;; esac

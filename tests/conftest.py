@@ -10,6 +10,20 @@ import pytest
 
 from gpud.spawn import DaemonProcess
 
+TESTS = Path(__file__).parent
+TIERS = {"core": "core", "client": "core", "integration": "integration",
+         "test_daemon_sim.py": "sim", "test_fuzz_handling.py": "sim",  # long seeded or generated runs
+         "test_demo.py": "integration"}  # the demo's own daemon and client processes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's tier, by where it lives: tests/core and tests/client are ``core``, tests/integration
+    and the demo ``integration``, the whole-daemon simulation and the request fuzz ``sim``, the rest
+    of tests/ ``inprocess``."""
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(TESTS).parts
+        item.add_marker(TIERS.get(parts[0], TIERS.get(parts[-1], "inprocess")))
+
 
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
