@@ -64,7 +64,8 @@ from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError
-from percentiles import percentile  # bench/, on the path when run as a script
+from harness import Run, machine_line, progress  # bench/, on the path when run as a script
+from percentiles import percentile
 
 ABUSERS = 3  # processes; with at most IDLE_CONNS each, well below ~60 connections in all
 GOOD_TIMEOUT_S = 2.0  # a good client waiting longer than this for its answer counts an error
@@ -888,7 +889,7 @@ def figures(seen: Observed) -> dict[str, Any]:
     }
 
 
-def report(seen: Observed, plan: Plan, log_text: str, *, load: float, elapsed_s: float) -> dict[str, Any]:
+def report(seen: Observed, plan: Plan, log_text: str, machine: dict[str, Any]) -> dict[str, Any]:
     result = figures(seen)
     p99 = result["handoff_p99_ms_abuse"]
     met = {
@@ -928,9 +929,7 @@ def report(seen: Observed, plan: Plan, log_text: str, *, load: float, elapsed_s:
         "seconds_per_phase": plan.abuse_s,
         "settle_s": plan.settle_s,
         "abusers": plan.abusers,
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": round(load, 2),
-        "elapsed_s": round(elapsed_s, 1),
+        **machine,
     }
 
 
@@ -976,13 +975,8 @@ def table(r: dict[str, Any]) -> str:
     lines.extend(f"  good client error, {e}" for e in r["first_errors"][:10])
     lines.extend(f"  abuser problem: {e}" for e in r["abuser_problems"])
     lines.append(f"{r['seconds_per_phase']:g} s per phase + {r['settle_s']:g} s settle, {r['abusers']} abusers, "
-                 f"{r['cpus']} CPUs, load {r['loadavg_1m_before']} before, took {r['elapsed_s']} s; "
-                 f"targets met: {_show(r['targets_met'])}")
+                 f"{machine_line(r)}; targets met: {_show(r['targets_met'])}")
     return "\n".join(lines)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -1006,18 +1000,18 @@ def _complain(seen: Observed, log_text: str) -> None:
     _, tracebacks = log_findings(log_text)
     if not seen.alive:
         tail = "\n".join(log_text.splitlines()[-60:])
-        _progress(f"THE DAEMON DIED or stopped answering (exit code {seen.exit_code}); the tail of its log:\n{tail}")
+        progress(f"THE DAEMON DIED or stopped answering (exit code {seen.exit_code}); the tail of its log:\n{tail}")
     kinds = traceback_kinds(tracebacks)
     for kind in kinds:  # the first of each kind in full
         first = next(tb for tb in tracebacks if traceback_kinds([tb]) == {kind: 1})
-        _progress(f"the daemon logged {kinds[kind]} tracebacks ending in {kind}; the first:\n{first}")
+        progress(f"the daemon logged {kinds[kind]} tracebacks ending in {kind}; the first:\n{first}")
 
 
 def main(argv: list[str] | None = None) -> int:
     plan, as_json = parse_args(argv)
-    load, began = os.getloadavg()[0], time.monotonic()
+    run = Run()
     port = free_port()
-    _progress(f"quiet {plan.quiet_s:g} s, abuse {plan.abuse_s:g} s ({plan.abusers} abusers), "
+    progress(f"quiet {plan.quiet_s:g} s, abuse {plan.abuse_s:g} s ({plan.abusers} abusers), "
               f"settle {plan.settle_s:g} s")
     d = DaemonProcess("--simulate", "2x16GiB", "--metrics-addr", f"127.0.0.1:{port}", "--log-level", "warning")
     d.start()
@@ -1027,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         d.cleanup()
     _complain(seen, log_text)
-    result = report(seen, plan, log_text, load=load, elapsed_s=time.monotonic() - began)
+    result = report(seen, plan, log_text, run.machine())
     print(table(result))
     if as_json:
         print(json.dumps(result))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import sys
 import tempfile
 import time
@@ -35,7 +34,8 @@ from pathlib import Path
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from percentiles import percentile  # bench/, on the path when run as a script
+from harness import Run, progress  # bench/, on the path when run as a script
+from percentiles import percentile
 
 TARGETS = {"cycles_per_s": 1000.0, "allocate_ms_p99": 5.0}
 SEED_000 = {"allocate_ms": 100.0, "requests_per_minute": 200.0}  # the source design's own targets
@@ -109,10 +109,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
     args = ap.parse_args()
-    t0 = time.monotonic()
-    print(f"state_sync=normal: {args.clients} clients x {args.seconds:g}s", file=sys.stderr)
+    this_run = Run()  # the load before the run, not after it
+    progress(f"state_sync=normal: {args.clients} clients x {args.seconds:g}s")
     normal = run("normal", args.clients, args.seconds, args.warmup)
-    print("state_sync=full", file=sys.stderr)
+    progress("state_sync=full")
     full = run("full", args.clients, args.seconds, args.warmup)
     result = {
         "cycles_per_s": normal["cycles_per_s"],
@@ -126,9 +126,7 @@ def main() -> int:
             "allocate_ms_p99": float(normal["allocate_ms_p99"]) <= TARGETS["allocate_ms_p99"],  # type: ignore[arg-type]
         },
         "seed_000_targets": SEED_000,
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": round(os.getloadavg()[0], 2),
-        "elapsed_s": round(time.monotonic() - t0, 1),
+        **this_run.machine(),
     }
     if args.json:
         print(json.dumps(result))

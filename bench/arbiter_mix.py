@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiter_stats import MeasurementError, mode_figures, phase_figures
+from harness import Run, machine_line, progress
 from arbiter_workers import Gate, Stream, cycle_worker, flood_worker, schedule, service_worker
 
 import gpud
@@ -102,10 +103,6 @@ class BenchConfig:
     repair_procs: int = 1
     flock_poll_ms: float = 5.0
     cycle_seconds: float = 5.0
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- running processes ----------------------------------------------------------
@@ -168,12 +165,12 @@ def _daemon_warnings(daemon: DaemonProcess) -> list[str]:
         if level not in ("debug", "info"):
             complaints.append(line)
     for line in complaints[:20]:
-        _progress(f"gpud said: {line}")
+        progress(f"gpud said: {line}")
     return complaints
 
 
 def gpud_phase(ctx: Any, cfg: BenchConfig, mode: str, repair_procs: int) -> dict[str, Any]:
-    _progress(f"gpud --mode {mode}: ASR + NMT + {repair_procs} repair process(es), {cfg.seconds:g} s")
+    progress(f"gpud --mode {mode}: ASR + NMT + {repair_procs} repair process(es), {cfg.seconds:g} s")
     daemon = DaemonProcess("--simulate", GPU, "--mode", mode).start()
     try:
         phase = run_mix(ctx, Gate(kind="gpud", socket=daemon.socket), cfg, repair_procs=repair_procs)
@@ -185,7 +182,7 @@ def gpud_phase(ctx: Any, cfg: BenchConfig, mode: str, repair_procs: int) -> dict
 
 
 def flock_phase(ctx: Any, cfg: BenchConfig, repair_procs: int) -> dict[str, Any]:
-    _progress(f"flock baseline: ASR + NMT + {repair_procs} repair process(es), {cfg.seconds:g} s")
+    progress(f"flock baseline: ASR + NMT + {repair_procs} repair process(es), {cfg.seconds:g} s")
     with tempfile.TemporaryDirectory(prefix="arbiter-flock-") as tmp:
         gate = Gate(kind="flock", lock_path=os.path.join(tmp, "gpu0.lock"), poll_ms=cfg.flock_poll_ms)
         phase = run_mix(ctx, gate, cfg, repair_procs=repair_procs)
@@ -214,7 +211,7 @@ def cycles(ctx: Any, cfg: BenchConfig, *, log_flags: tuple[str, ...]) -> dict[st
         for n in CLIENT_COUNTS:
             for path in ("client", "bare"):
                 level = " ".join(log_flags) or "default log level (info)"
-                _progress(f"cycles: {n} {path} client(s), {cfg.cycle_seconds:g} s, {level}")
+                progress(f"cycles: {n} {path} client(s), {cfg.cycle_seconds:g} s, {level}")
                 cpu0 = _cpu_seconds(daemon.proc.pid)
                 jobs = [(cycle_worker, (daemon.socket, path == "bare", max(8, n)))] * n
                 _, *counts = _run_workers(ctx, jobs, cfg.cycle_seconds)
@@ -306,7 +303,7 @@ def _met(r: dict[str, Any]) -> dict[str, bool]:
 
 
 def report(
-    runs: dict[str, Any], cfg: BenchConfig, *, load: float, elapsed_s: float, code: tuple[dict[str, str], ...]
+    runs: dict[str, Any], cfg: BenchConfig, machine: dict[str, Any], *, code: tuple[dict[str, str], ...]
 ) -> Any:
     flock = mode_figures(*runs["flock"])
     result: dict[str, Any] = {"mode": "auto", **_versus_flock(mode_figures(*runs["auto"]), flock)}
@@ -326,8 +323,7 @@ def report(
         "flock_poll_ms": cfg.flock_poll_ms, "seconds_per_phase": cfg.seconds,
         "warmup_s": cfg.warmup, "seed": cfg.seed, "cycle_seconds": cfg.cycle_seconds, "daemon_log_level": "info",
     }
-    result["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_before": round(load, 2),
-                         "loadavg_1m_after": round(os.getloadavg()[0], 2), "elapsed_s": round(elapsed_s, 1)}
+    result["machine"] = machine
     result["code"] = code[0] | {"changed_during_run": code[0]["sha256"] != code[1]["sha256"]}
     return result
 
@@ -401,8 +397,7 @@ def table(r: dict[str, Any]) -> str:
     w, m = r["workload"], r["machine"]
     lines.append(f"offered ASR+NMT load {w['offered_load_asr_nmt']}, {w['repair_procs']} repair process(es), "
                  f"{w['seconds_per_phase']:g} s per phase after {w['warmup_s']:g} s warm-up, seed {w['seed']}")
-    lines.append(f"{m['cpus']} CPUs, load {m['loadavg_1m_before']} before, {m['loadavg_1m_after']} after, "
-                 f"took {m['elapsed_s']} s; gpud {r['code']['commit']} ({r['code']['path']}, {r['code']['sha256']})"
+    lines.append(f"{machine_line(m)}; gpud {r['code']['commit']} ({r['code']['path']}, {r['code']['sha256']})"
                  + (" (gpud's code CHANGED during the run)" if r["code"]["changed_during_run"] else ""))
     return "\n".join(lines)
 
@@ -425,16 +420,16 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
-    load, began, before = os.getloadavg()[0], time.monotonic(), code_version()
+    run, before = Run(), code_version()
     try:
         runs = measure(cfg)
     except MeasurementError as exc:
-        _progress(f"measurement invalid: {exc}")
+        progress(f"measurement invalid: {exc}")
         return 1
     after = code_version()
     if after["sha256"] != before["sha256"]:
-        _progress(f"gpud's code changed during the run ({before} -> {after}): the phases ran different code")
-    result = report(runs, cfg, load=load, elapsed_s=time.monotonic() - began, code=(before, after))
+        progress(f"gpud's code changed during the run ({before} -> {after}): the phases ran different code")
+    result = report(runs, cfg, run.machine(), code=(before, after))
     print(json.dumps(result) if as_json else table(result))
     return 0
 

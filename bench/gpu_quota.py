@@ -67,6 +67,7 @@ from gpu_timeline import (
     session_figures, table,
 )
 from gpu_workers import GpuWorkerSpec, calibrate, run_workers
+from harness import progress
 from quota_accuracy import BASELINE, LIMIT_NAME, LIMIT_UPDATE, NEVER, SCENARIOS, STOP_MARGIN_NS, UNLIMITED, Scenario
 from quota_workers import MeasurementError, next_boundary, sleep_until, window_origin_ns
 
@@ -93,10 +94,6 @@ class BenchConfig:
     @property
     def window_ns(self) -> int:
         return round(self.window_s * 1e9)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- is there a GPU? ---------------------------------------------------------------------
@@ -188,7 +185,7 @@ def check_gpuctl_status(cfg: BenchConfig, nvml: dict[str, Any]) -> dict[str, Any
 
 def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, nvml: dict[str, Any], size: int) -> dict[str, Any]:
     began, W = time.monotonic(), cfg.window_ns
-    _progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, "
+    progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, "
               f"{cfg.windows} windows of {cfg.window_s:g} s")
     specs = [GpuWorkerSpec(name=f"{sc.name}-{'ab'[i]}", limit=limit, gpu=nvml["index"], uuid=nvml["uuid"],
                            size=size, depth=cfg.depth) for i, limit in enumerate(sc.limits)]
@@ -210,7 +207,7 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, nvml: dict[str, Any],
     finally:
         daemon.cleanup()
     if complaints:
-        _progress(f"  the daemon logged warnings:\n{complaints}")
+        progress(f"  the daemon logged warnings:\n{complaints}")
     run = _figures(sc, specs, reports, view, span[0], span[1], W)
     return run | {"windows": cfg.windows, "window_s": cfg.window_s, "wall_s": round(time.monotonic() - began, 1),
                   "daemon_warnings": len(complaints.splitlines())}
@@ -235,7 +232,7 @@ def _figures(
               "daemon": None if v is None else {
                   "grants": v.grants, "drops": dict(v.drops), "throttles": v.throttles, "budget_ms": v.budget_ms,
                   "mem_used_bytes": v.mem_used_bytes, "recent_share_percent": v.recent_share_percent}}
-        _progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %, "
+        progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %, "
                   f"{s['kernels_per_s']:.1f} kernels/s")
     return {"name": sc.name, "mode": sc.mode, "serial_overlap_us": worst / 1e3, "sessions": sessions}
 
@@ -247,7 +244,7 @@ def run_limit_update(ctx: Any, cfg: BenchConfig, nvml: dict[str, Any], size: int
     """Lower a busy unlimited session to 20 % a quarter into a window and raise it back, ``limit_reps`` times;
     lower it for good and measure the share over ``after_windows`` windows."""
     began, W = time.monotonic(), cfg.window_ns
-    _progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, "
+    progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, "
               f"then 20 % for {cfg.after_windows} windows")
     spec = GpuWorkerSpec(name=LIMIT_NAME, limit=UNLIMITED, gpu=nvml["index"], uuid=nvml["uuid"], size=size,
                          depth=cfg.depth)
@@ -267,7 +264,7 @@ def run_limit_update(ctx: Any, cfg: BenchConfig, nvml: dict[str, Any], size: int
     finally:
         daemon.cleanup()
     if complaints:
-        _progress(f"  the daemon logged warnings:\n{complaints}")
+        progress(f"  the daemon logged warnings:\n{complaints}")
     tl, clock = on_one_clock(reports[0])
     after_start = changes[-1]["boundary"] + W
     result = limit_change_figures(changes, reports[0]["drops"], reports[0]["grants"], tl,
@@ -276,7 +273,7 @@ def run_limit_update(ctx: Any, cfg: BenchConfig, nvml: dict[str, Any], size: int
                        for i, u in enumerate(used_before) if u <= 0.2 * W / 1e6]
     result |= {"used_before_ms": used_before, "drift_ppm": round(clock.drift_ppm, 3),
                "wall_s": round(time.monotonic() - began, 1)}
-    _progress(f"  gpuctl return -> last kernel ends: {result['samples_ms']} ms; "
+    progress(f"  gpuctl return -> last kernel ends: {result['samples_ms']} ms; "
               f"share after the change {result['after_change']['achieved']:.3f} %")
     return result
 
@@ -329,11 +326,11 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, list[str], bool]:
 def measure(cfg: BenchConfig, chosen: list[str], nvml: dict[str, Any]) -> dict[str, Any]:
     began = time.monotonic()
     if nvml["other_processes"]:
-        _progress(f"warning: {nvml['other_processes']} other process(es) use this GPU: they will bend the figures")
+        progress(f"warning: {nvml['other_processes']} other process(es) use this GPU: they will bend the figures")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gpud_client", "gpu_workers"])
     daemon_says = check_gpuctl_status(cfg, nvml)
-    _progress(f"gpuctl status --json agrees with NVML: {daemon_says['name']} {daemon_says['uuid']}")
+    progress(f"gpuctl status --json agrees with NVML: {daemon_says['name']} {daemon_says['uuid']}")
     kernel = calibrate(ctx, nvml)
     runs = [run_scenario(ctx, SCENARIOS[n], cfg, nvml, kernel["size"]) for n in SHARE_SCENARIOS if n in chosen]
     limit_update = run_limit_update(ctx, cfg, nvml, kernel["size"]) if LIMIT_UPDATE in chosen else None

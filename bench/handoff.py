@@ -89,6 +89,7 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 from floor import relay_main, start_relay, trio_relay_main  # bench/, on the path when run as a script
+from harness import Run, progress
 from percentiles import percentile
 
 # (t_request, t_grant, t_release, t_released), monotonic ns; plain ints so they pickle anywhere.
@@ -335,10 +336,6 @@ def handoffs_us(holds: list[tuple[int, Cycle]]) -> tuple[list[float], int]:
     return samples, idle
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class Server:
     """What a harness runs against: gpud or a floor relay."""
@@ -371,7 +368,7 @@ def processes_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -
     idle = {"gpud": 0, "floor": 0}
     for i, rounds in enumerate(split(cfg.rounds, cfg.blocks)):
         for name, server in (("gpud", gpud), ("floor", floor)):
-            _progress(f"processes harness, {name}, block {i + 1}/{cfg.blocks}: 1 client x {cfg.warmup} + {rounds} "
+            progress(f"processes harness, {name}, block {i + 1}/{cfg.blocks}: 1 client x {cfg.warmup} + {rounds} "
                       f"cycles, then 2 clients, {rounds} handoffs after {cfg.warmup}, hold {cfg.hold_us} us")
             cycles[name] += cycle_figures(ctx, server.path, cfg, rounds=rounds)
             samples, gaps = handoff_figures(ctx, server.path, cfg, clients=2, rounds=rounds)
@@ -386,7 +383,7 @@ def processes_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -
 
 
 def many_figures(ctx: Any, gpud: Server, cfg: BenchConfig) -> dict[str, float]:
-    _progress(f"processes harness, gpud: {MANY} clients, {cfg.rounds} handoffs after {cfg.warmup}")
+    progress(f"processes harness, gpud: {MANY} clients, {cfg.rounds} handoffs after {cfg.warmup}")
     samples, idle = handoff_figures(ctx, gpud.path, cfg, clients=MANY, rounds=cfg.rounds)
     return {**_percentiles(f"handoff{MANY}", samples), f"handoff{MANY}_samples": len(samples),
             f"handoff{MANY}_idle": idle}
@@ -396,7 +393,7 @@ def pair_figures(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg:
                  cpus: tuple[set[int], set[int]]) -> dict[str, float]:
     """The issue's harness on gpud and both floors in one client process (see ``pair_worker``), pinned."""
     client, server = cpus
-    _progress(f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
+    progress(f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
               f"to each; {cfg.warmup} + {cfg.rounds} cycles each for CPU, then cycles and handoffs (B queued "
               f"{QUEUED_NS // 1000} us before) in alternating blocks")
     everywhere = os.sched_getaffinity(0)
@@ -469,7 +466,7 @@ HARNESSES = {
 }
 
 
-def report(figures: dict[str, float], cfg: BenchConfig, *, load: float, elapsed_s: float) -> dict[str, Any]:
+def report(figures: dict[str, float], cfg: BenchConfig, machine: dict[str, Any]) -> dict[str, Any]:
     met = {key: figures[key] <= limit for key, limit in TARGETS.items() if key in figures}
     us = {key: round(value, 1) for key, value in figures.items() if "_us_" in key}
     return {
@@ -497,10 +494,7 @@ def report(figures: dict[str, float], cfg: BenchConfig, *, load: float, elapsed_
         "cpu_cycles": figures["cpu_cycles"],
         "placements": {k: {"client_cpus": sorted(c), "server_cpus": sorted(s)} for k, (c, s) in placements().items()},
         "harnesses": HARNESSES,
-        "cpus": os.cpu_count(),
-        "loadavg_1m_before": round(load, 2),
-        "loadavg_1m_after": round(os.getloadavg()[0], 2),
-        "elapsed_s": round(elapsed_s, 1),
+        **machine,
         "targets": TARGETS,
         "met": met,
     }
@@ -601,7 +595,7 @@ def start_floor(ctx: Any, floor_main: Callable[[str, Pipe], None], workdir: str,
 
 def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
-    load, began = os.getloadavg()[0], time.monotonic()
+    run = Run()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gpud_client.connection"])
     daemon = DaemonProcess("--simulate", "1", "--log-level", "warning").start()
@@ -620,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.join()
         shutil.rmtree(workdir, ignore_errors=True)
     if complaints:
-        _progress(f"the daemon logged warnings during the run:\n{complaints}")
-    result = report(figures, cfg, load=load, elapsed_s=time.monotonic() - began)
+        progress(f"the daemon logged warnings during the run:\n{complaints}")
+    result = report(figures, cfg, run.machine())
     print(json.dumps(result) if as_json else table(result))
     return 0
 

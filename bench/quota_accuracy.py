@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import statistics
 import subprocess
 import sys
@@ -87,6 +86,7 @@ from quota_workers import (
     MeasurementError, WorkerSpec, check_serial, clipped_ns, cold_code_ns, gaps_in_holds_ns, next_boundary, receive,
     sleep_until, start_worker, window_origin_ns,
 )
+from harness import Run, machine_line, progress
 from simgpu import SimGpu, busy_ns, gpu_time_ns
 
 from gpud.spawn import DaemonProcess
@@ -156,10 +156,6 @@ class BenchConfig:
         return round(self.window_s * 1e9)
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _pct(x: float) -> float:
     return round(x, 3)
 
@@ -192,7 +188,7 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
     began = time.monotonic()
     W = cfg.window_ns
     specs = _specs(sc, cfg, index)
-    _progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, {cfg.windows} windows of {cfg.window_s:g} s")
+    progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, {cfg.windows} windows of {cfg.window_s:g} s")
     daemon = DaemonProcess(*daemon_flags(cfg, sc.mode))
     device: SimGpu | None = None
     workers: list[tuple[Any, Pipe]] = []
@@ -231,7 +227,7 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
             device.kill()
         daemon.cleanup()
     if complaints:
-        _progress(f"  the daemon logged warnings:\n{complaints}")
+        progress(f"  the daemon logged warnings:\n{complaints}")
     if sc.mode == "serial":
         check_serial(reports)
     sessions = [
@@ -241,7 +237,7 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
     wall = time.monotonic() - began
     busy = (busy_ns(log, start, end) if log is not None else sum(s["gpu_ns"] for s in sessions)) / (end - start)
     for s in sessions:
-        _progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %"
+        progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %"
                   + (f", error {s['error_pp']:+.3f} pp" if s["error_pp"] is not None else ""))
     return {
         "name": sc.name, "mode": sc.mode, "windows": cfg.windows, "window_s": cfg.window_s,
@@ -341,7 +337,7 @@ def run_limit_update(ctx: Any, cfg: BenchConfig) -> dict[str, Any]:
     """Lower an unlimited, busy session to 20 % mid-window and raise it back, ``limit_reps`` times."""
     began = time.monotonic()
     W = cfg.window_ns
-    _progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, then 20 % for {cfg.after_windows} windows")
+    progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, then 20 % for {cfg.after_windows} windows")
     lo, hi = (round(ms * 1e6) for ms in cfg.kernel_ms)
     spec = WorkerSpec(name=LIMIT_NAME, limit=UNLIMITED, seed=cfg.seed * 1000 + 999, kernel=cfg.kernel, lo_ns=lo, hi_ns=hi)
     daemon = DaemonProcess(*daemon_flags(cfg, "serial"))
@@ -358,7 +354,7 @@ def run_limit_update(ctx: Any, cfg: BenchConfig) -> dict[str, Any]:
             warm = [_gpuctl(daemon.socket, "status") for _ in range(2)]
             gpuctl_ms = max(t1 - t0 for t0, t1 in warm) / 1e6
             if 2 * gpuctl_ms > 0.7 * cfg.window_s * 1000:
-                _progress(f"  gpuctl takes {gpuctl_ms:.0f} ms: too slow for this window; raise samples may be late")
+                progress(f"  gpuctl takes {gpuctl_ms:.0f} ms: too slow for this window; raise samples may be late")
             for _ in range(cfg.limit_reps + 1):
                 # a quarter into a window: the busy session has used 25 % > 20 %, so the drop is due at once
                 boundary = next_boundary(origin, W, time.monotonic_ns() + 10_000_000)
@@ -383,10 +379,10 @@ def run_limit_update(ctx: Any, cfg: BenchConfig) -> dict[str, Any]:
                 worker[0].join()
         daemon.cleanup()
     if complaints:
-        _progress(f"  the daemon logged warnings:\n{complaints}")
+        progress(f"  the daemon logged warnings:\n{complaints}")
     result = _limit_figures(reps, rep, report, after_start, after_end, W, gpuctl_ms, cfg)
     result["wall_s"] = round(time.monotonic() - began, 1)
-    _progress(f"  gpuctl return -> DROP_LOCK: {result['samples_ms']} ms; raise -> grant: {result['raise_samples_ms']} ms; "
+    progress(f"  gpuctl return -> DROP_LOCK: {result['samples_ms']} ms; raise -> grant: {result['raise_samples_ms']} ms; "
               f"share after the change {result['after_change']['achieved']:.3f} %")
     return result
 
@@ -482,8 +478,7 @@ def table(result: dict[str, Any]) -> str:
         f"drop tail {c['drop_tail'] if c['drop_tail'] is not None else 'default'}"
     )
     cold = result["host_cold_code_ns"]
-    lines.append(f"{result['cpus']} CPUs, load {result['loadavg_1m_before']} before, "
-                 f"{result['loadavg_1m_after']} after; took {result['elapsed_s']} s; all met: {result['met_all']}")
+    lines.append(f"{machine_line(result)}; all met: {result['met_all']}")
     lines.append(f"host: two list operations right after 3 ms of work took {cold['before']} ns before, "
                  f"{cold['after']} ns after (warm: ~250 ns; the gaps grow with it)")
     return "\n".join(lines)
@@ -518,7 +513,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, list[str], bool]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, chosen, as_json = parse_args(argv)
-    load, began, cold_before = os.getloadavg()[0], time.monotonic(), cold_code_ns()
+    run, cold_before = Run(), cold_code_ns()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gpud_client", "simgpu", "quota_workers"])
     result: dict[str, Any] = {"scenarios": [], "limit_update_ms": None}
@@ -545,9 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         "met_all": all(e["met"] for e in result["scenarios"]) and result.get("limit_update", {}).get("met", True),
         "targets": TARGETS,
         "config": {k: v for k, v in asdict(cfg).items() if k != "window_given"},
-        "cpus": os.cpu_count(), "loadavg_1m_before": round(load, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "host_cold_code_ns": {"before": cold_before, "after": cold_code_ns()},
-        "elapsed_s": round(time.monotonic() - began, 1),
+        **run.machine(),
     }
     print(json.dumps(result) if as_json else table(result))
     return 0

@@ -83,6 +83,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
+from harness import Run, machine_line, progress
 from percentiles import percentile
 
 from gpud.main import SLOW_TURN_ENV
@@ -109,10 +110,6 @@ class BenchConfig:
     warmup: int = 200
     queued: int = 10_000
     placement: str = "one-cpu"  # see ``placement_cpus``
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- pure helpers -------------------------------------------------------------------
@@ -381,7 +378,7 @@ class Node:
         complaints = "\n".join(line for line in lines if '"loop_turn_slow"' not in line).strip()
         self.daemon.cleanup()
         if complaints:
-            _progress(f"the {self.name} daemon logged warnings during the run:\n{complaints}")
+            progress(f"the {self.name} daemon logged warnings during the run:\n{complaints}")
 
 
 def side_by_side(nodes: tuple[Node, Node], cfg: BenchConfig) -> tuple[dict[str, float], dict[str, float]]:
@@ -454,14 +451,14 @@ def sizes_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict[
         by_size: dict[str, dict[str, float]] = {}
         beside: dict[str, dict[str, float]] = {}
         for n in cfg.sizes:
-            _progress(f"sizes: attaching idle sessions on GPU 0 up to {n}")
+            progress(f"sizes: attaching idle sessions on GPU 0 up to {n}")
             attach_s = subject.grow(n)
-            _progress(f"sizes: {n} idle sessions: {cfg.cycles} lock, then lease cycles, in blocks of {BLOCK} "
+            progress(f"sizes: {n} idle sessions: {cfg.cycles} lock, then lease cycles, in blocks of {BLOCK} "
                       f"alternating with the control ({cfg.sizes[0]} idle sessions)")
             beside[str(n)], by_size[str(n)] = side_by_side((control, subject), cfg)
             by_size[str(n)] |= alone(subject, [control]) | {"rss_mb": subject.rss() / 2**20,
                                                             "attach_us_per_session": attach_s * 1e6}
-            _progress(f"sizes: {n} idle sessions: lock cycles on the subject alone for {TURNS_S} s, its loop turns "
+            progress(f"sizes: {n} idle sessions: lock cycles on the subject alone for {TURNS_S} s, its loop turns "
                       f"over {SLOW_TURN_MS} ms logged")
             by_size[str(n)] |= turns(subject, [control])
         rss_after = subject.rss()
@@ -476,15 +473,15 @@ def queued_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict
     subject = Node(cfg, "queued", cpus)
     try:
         subject.grow(cfg.sizes[0])
-        _progress(f"queued: no lease queued yet: {cfg.cycles} lock, then lease cycles on GPU 0, alternating with the "
+        progress(f"queued: no lease queued yet: {cfg.cycles} lock, then lease cycles on GPU 0, alternating with the "
                   f"control")
         control_before, before = side_by_side((control, subject), cfg)
         before |= alone(subject, [control])
         rss_before = subject.rss()
-        _progress(f"queued: queueing {cfg.queued} leases on GPU 1")
+        progress(f"queued: queueing {cfg.queued} leases on GPU 1")
         fill_s, last_s = subject.queue(cfg.queued)
         rss_after = subject.rss()
-        _progress(f"queued: {cfg.queued} leases wait on GPU 1: {cfg.cycles} lock, then lease cycles on GPU 0, "
+        progress(f"queued: {cfg.queued} leases wait on GPU 1: {cfg.cycles} lock, then lease cycles on GPU 0, "
                   f"alternating with the control")
         control_after, after = side_by_side((control, subject), cfg)
         after |= alone(subject, [control])
@@ -515,8 +512,7 @@ def _growths(flat: dict[str, float], at: str, base: str) -> dict[str, float]:
     return out
 
 
-def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, *, load: float,
-           elapsed_s: float) -> dict[str, Any]:
+def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, machine: dict[str, Any]) -> dict[str, Any]:
     by_size, control, small, large, q = sizes["by_size"], sizes["control"], cfg.sizes[0], cfg.sizes[-1], cfg.queued
     flat: dict[str, float] = {}
     for n in cfg.sizes:
@@ -555,8 +551,7 @@ def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, *, l
         "daemon": {"args": list(DAEMON_ARGS), "config": daemon_toml(per_connection=PER_CONNECTION, queued=q)},
         "targets": targets,
         "met": {k: flat[k] <= limit for k, limit in targets.items()},
-        "machine": {"cpus": os.cpu_count(), "loadavg_1m_before": round(load, 2),
-                    "loadavg_1m_after": round(os.getloadavg()[0], 2), "elapsed_s": round(elapsed_s, 1)},
+        "machine": machine,
     }
 
 
@@ -612,8 +607,7 @@ def table(r: dict[str, Any]) -> str:
                  f"session; {r['rss_bytes_per_queued_lease']} bytes per queued lease")
     m, where = r["machine"], r["placement"]
     lines.append(f"{r['cycles']} cycles after {r['warmup']} warm-up per figure, blocks of {r['block']}; placement "
-                 f"{where['name']} (bench on {where['bench_cpus']}, daemons on {where['daemon_cpus']}); {m['cpus']} "
-                 f"CPUs, load {m['loadavg_1m_before']} before, {m['loadavg_1m_after']} after, took {m['elapsed_s']} s")
+                 f"{where['name']} (bench on {where['bench_cpus']}, daemons on {where['daemon_cpus']}); {machine_line(m)}")
     return "\n".join(lines)
 
 
@@ -642,7 +636,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
 def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
     os.environ[SLOW_TURN_ENV] = f"{SLOW_TURN_MS:g}"  # the daemons it starts log their slow loop turns
-    load, began = os.getloadavg()[0], time.monotonic()
+    run = Run()
     cpus = placement_cpus(cfg.placement, sorted(os.sched_getaffinity(0)))
     if cpus is not None:
         os.sched_setaffinity(0, cpus[0])
@@ -655,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         control.close()
     placed = {"name": cfg.placement, "bench_cpus": None if cpus is None else sorted(cpus[0]),
               "daemon_cpus": None if cpus is None else sorted(cpus[1])}
-    result = report(sizes, queued, cfg, load=load, elapsed_s=time.monotonic() - began) | {"placement": placed}
+    result = report(sizes, queued, cfg, run.machine()) | {"placement": placed}
     print(json.dumps(result) if as_json else table(result))
     return 0
 
