@@ -24,13 +24,11 @@ from typing import Any, NoReturn, TypeVar, get_args
 
 import msgspec
 
-from gpud.core.ledger import to_fixed
-from gpud.core.errors import Refused
 from gpud.top import gpu_memory, gpu_mode, reserve_note, run as run_top
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
-from gpud_client.units import format_bytes, parse_bytes, printable
+from gpud_client.units import fixed_gpus, format_bytes, parse_bytes, printable
 
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -408,11 +406,11 @@ def _gpus(text: str) -> float:
             f"must be a whole number of GPUs >= 1 or a fraction 0 < x < 1 of one GPU, got {text!r}")
     try:
         msgspec.convert(value, p.Gpus)
-        to_fixed(value)
+        fixed_gpus(value)
     except msgspec.ValidationError:
         raise argparse.ArgumentTypeError(f"must be at most {_num(get_args(p.Gpus)[1].le)} GPUs, got {text}") from None
-    except Refused as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

@@ -1,4 +1,4 @@
-"""Sizes as people write them: bytes, or a number with a binary or decimal unit.
+"""Sizes and amounts as people write them: bytes, or a number with a binary or decimal unit; GPUs in fixed point.
 
 Shared by the client library, gpuctl and the daemon's configuration. Refuses
 rather than guesses: a negative size, an unknown unit or a fraction of a byte
@@ -7,6 +7,7 @@ is a ValueError that names the input.
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -22,6 +23,19 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+GPU_UNIT = 10_000  # GPUs are counted in 1/10000 of one, so four quarters make exactly one
+
+
+def fixed_gpus(gpus: float) -> int:
+    """GPUs as people and the wire write them (a float) in 1/``GPU_UNIT``; ValueError if not exact."""
+    if not math.isfinite(gpus):
+        raise ValueError(f"gpus must be a number, got {gpus}")
+    fixed = round(gpus * GPU_UNIT)
+    if abs(gpus * GPU_UNIT - fixed) > 1e-6:
+        raise ValueError(f"gpus {gpus} is finer than 1/{GPU_UNIT} of a GPU")
+    return fixed
 
 
 def parse_bytes(text: str) -> int:

@@ -38,7 +38,6 @@ is integer microseconds passed in.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ from typing import Any
 
 from gpud.core.errors import LimitReached, Refused
 from gpud_client.protocol import ErrorCode, Strategy
+from gpud_client.units import GPU_UNIT, fixed_gpus
 
-UNIT = 10_000  # one GPU
+UNIT = GPU_UNIT  # one GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +94,10 @@ class Allocation:
 
 def to_fixed(gpus: float) -> int:
     """GPUs as people and the wire write them (a float) -> fixed point, refusing what is not exact."""
-    if not math.isfinite(gpus):
-        raise Refused(ErrorCode.INVALID, f"gpus must be a number, got {gpus}")
-    fixed = round(gpus * UNIT)
-    if abs(gpus * UNIT - fixed) > 1e-6:
-        raise Refused(ErrorCode.INVALID, f"gpus {gpus} is finer than 1/{UNIT} of a GPU")
-    return fixed
+    try:
+        return fixed_gpus(gpus)
+    except ValueError as exc:
+        raise Refused(ErrorCode.INVALID, str(exc)) from None
 
 
 def _gpus_text(fixed: int) -> str:
