@@ -20,6 +20,7 @@ import pytest
 import structlog
 import trio
 from prometheus_client import CollectorRegistry
+from trio.testing import wait_all_tasks_blocked
 
 import gpud.allocator
 import gpud.listener
@@ -169,9 +170,8 @@ async def test_a_fault_while_a_slow_connection_is_being_dropped_stays_with_it(
     monkeypatch.setattr(node.daemon, "handle", drop_then_fail)
     await victim.send(p.Status(id=5))
     await victim.sock.send(p.frame(b"\xc1"))  # and a broken frame behind it
-    with trio.fail_after(5):
-        while node.daemon.links.connections and any(c.name == "slow" for c in node.daemon.links.connections.values()):
-            await trio.sleep(0.01)
+    await wait_all_tasks_blocked()  # the daemon has read both and handled them
+    assert not any(c.name == "slow" for c in node.daemon.links.connections.values())
     monkeypatch.undo()
     assert session not in node.daemon.links.owners  # its lock went with it
     assert node.faults("request") == 1
@@ -185,9 +185,8 @@ async def test_a_fault_in_a_closing_connections_cleanup_is_logged_and_the_daemon
     await lock(peer)
     monkeypatch.setattr(node.daemon.arbiter, "connection_closed", raising(ExceptionGroup("cleanup", [OSError(5)])))
     peer.sock.close()
-    with trio.fail_after(5):
-        while node.faults("close") < 1:
-            await trio.sleep(0.01)
+    await wait_all_tasks_blocked()  # the daemon has seen the close and cleaned up
+    assert node.faults("close") >= 1
     monkeypatch.undo()
     assert not node.daemon.links.owners and not node.daemon.links.connections  # the rest of the cleanup ran
     await handoff_still_works(node)
@@ -226,11 +225,18 @@ async def test_a_gpu_timer_tick_that_fails_is_skipped_and_the_timer_goes_on(
     assert lease.acquired
     scheduler = node.daemon.slots[0].scheduler
     real_advance = scheduler.advance
-    monkeypatch.setattr(scheduler, "advance", raising(KeyError("one bad tick")))
+    ticked = trio.Event()
+
+    def bad_tick(now: int) -> Any:
+        ticked.set()
+        raise KeyError("one bad tick")
+
+    monkeypatch.setattr(scheduler, "advance", bad_tick)
     await waiter.send(p.Acquire(id=1, gpu=0, max_wait_ms=50))  # only the timer can answer TIMEOUT
     with trio.fail_after(5):
-        while node.faults("timer") < 1:
-            await trio.sleep(0.01)
+        await ticked.wait()
+    await wait_all_tasks_blocked()  # the timer task has dealt with the failure
+    assert node.faults("timer") >= 1
     monkeypatch.setattr(scheduler, "advance", real_advance)
     answer = await waiter.recv()
     assert isinstance(answer, p.LeaseResult) and answer.reason == p.LeaseReason.TIMEOUT
@@ -251,12 +257,16 @@ async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
 
 
 async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    sampled_thrice = trio.Event()
+
     class Flaky:
         calls = 0
         gpus = [Gpu(7, "GPU-ghost", "ghost", 2**30, False)]  # a GPU the daemon does not have: ignored
 
-        def sample_gpu(self, gpu: Gpu) -> Reading:
+        def sample_gpu(self, gpu: Gpu) -> Reading:  # in a worker thread
             Flaky.calls += 1
+            if Flaky.calls == 3:
+                trio.from_thread.run_sync(sampled_thrice.set)
             return Reading(index=gpu.index, healthy=True)
 
     real_publish = gpud.monitor.publish
@@ -273,8 +283,7 @@ async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: p
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_monitor, node.daemon, Flaky())  # type: ignore[arg-type]
         with trio.fail_after(5):
-            while Flaky.calls < 3:
-                await trio.sleep(0.01)
+            await sampled_thrice.wait()
         nursery.cancel_scope.cancel()
     assert failed and node.faults("monitor") == 1
 
@@ -315,9 +324,8 @@ async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None
     assert series(detached) == 5 and series(closed) == 4  # the memory limit has its own series
     assert isinstance(await peer.call(p.Detach(id=0, session=detached)), p.Ok)
     other.sock.close()
-    with trio.fail_after(5):
-        while node.daemon.links.owners:
-            await trio.sleep(0.01)
+    await wait_all_tasks_blocked()  # the daemon has seen the close and cleaned up
+    assert not node.daemon.links.owners
     assert series(detached) == 0 and series(closed) == 0  # no monitor sample in between
 
 

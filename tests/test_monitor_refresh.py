@@ -156,14 +156,17 @@ async def test_the_monitor_yields_to_the_loop_between_steps(daemon: Daemon, monk
     monkeypatch.setattr("gpud.monitor.REFRESH_SESSIONS", 50)
     seen_between: list[int] = []  # sessions read when another task got to run
 
+    started = trio.Event()
+
     async def other_task() -> None:
+        started.set()
         while True:
             seen_between.append(reads[0])
-            await trio.sleep(0)
+            await trio.sleep(0)  # a checkpoint: the task gives its turn back after each look
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
-        await trio.sleep(0)  # it has started
+        await started.wait()
         await Monitor(d, None)._publish()
         nursery.cancel_scope.cancel()
     # The other task ran at every step: trio runs each task once a batch, in either order, so
@@ -178,7 +181,7 @@ def test_the_slow_turn_instrument_logs_a_turn_that_holds_the_loop() -> None:
     without a checkpoint makes one turn of at least 5 ms."""
 
     async def main() -> None:
-        await trio.sleep(0)
+        await trio.sleep(0)  # checkpoints, not waits: they begin and end the turn measured
         began = time.perf_counter()
         while time.perf_counter() - began < 0.005:
             pass

@@ -37,7 +37,7 @@ def _gpu(handle: int) -> dict[str, Any]:
     while gpu.get("hang"):
         if gpu["hang"] == "forever":
             threading.Event().wait()  # never set
-        time.sleep(_HANG_POLL_S)
+        time.sleep(_HANG_POLL_S)  # a hung NVML call, until the test clears "hang" in the state file
         gpu = _state()["gpus"][handle]
     if gpu.get("lost"):
         raise NVMLError("GPU is lost")

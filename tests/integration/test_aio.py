@@ -23,15 +23,8 @@ from gpud_client import DaemonUnavailable, DropReason, ErrorCode, GpudError, Pro
 from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient, AsyncSession
 
+from .waiting import eventually_async
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def holders(d: DaemonProcess, gpu: int = 0) -> list[str]:
@@ -40,6 +33,16 @@ def holders(d: DaemonProcess, gpu: int = 0) -> list[str]:
         return [h.name for h in gpu_status(conn, gpu).holders]
     finally:
         conn.close()
+
+
+def queue(d: DaemonProcess, gpu: int = 0) -> list[int]:
+    """The sessions waiting for GPU ``gpu``, as the daemon tells a fresh observer."""
+    with connect(d, "observer") as conn:
+        return [w.session for w in gpu_status(conn, gpu).queue]
+
+
+async def lease_states(c: AsyncClient, expected: list[str]) -> bool:
+    return [le.state for le in (await c.leases()).leases] == expected
 
 
 async def one_slice(s: AsyncSession) -> bool:
@@ -64,7 +67,7 @@ def test_a_drop_between_slices_is_answered_at_once(
             s = await c.session(0, idle_release=None)
             if hooks != "none":
                 async def on_drop(reason: DropReason) -> None:
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # a hook that takes a while: the drop is answered after it
                     await s.release()
 
                 async def synchronize() -> None:
@@ -82,7 +85,7 @@ def test_a_drop_between_slices_is_answered_at_once(
                 assert await asyncio.to_thread(nothing_arrives, other, 0.1)  # one LOCK_RELEASED, no refusal
                 # the next slice waits its turn
                 later = asyncio.create_task(one_slice(s))
-                await asyncio.sleep(0.1)
+                await eventually_async(lambda: queue(d) == [s.id], "the next slice's LOCK_REQUEST is queued")
                 assert not later.done()
                 other.send(p.LockReleased(id=99, session=so))
                 assert await asyncio.wait_for(later, 2)
@@ -97,9 +100,9 @@ def test_limits_and_admin_calls(daemon: DaemonProcess) -> None:
         async with await AsyncClient.connect(daemon.socket, name="lim") as c:
             s = await c.session(0, framework_hooks=False)
             assert await c.set_limits(core_limit=40) == [s.id]
-            await wait_for(lambda: s.core_limit == 40)  # LIMITS_CHANGED push
+            await eventually_async(lambda: s.core_limit == 40, "the new core limit")  # LIMITS_CHANGED push
             await s.set_limits(mem_limit="1GiB")
-            await wait_for(lambda: s.mem_limit == 2**30)
+            await eventually_async(lambda: s.mem_limit == 2**30, "the new memory limit")
             info = await my_session_info(c)
             assert (info.core_limit, info.mem_limit_bytes) == (40, 2**30)
             with pytest.raises(ProtocolError) as err:
@@ -110,11 +113,11 @@ def test_limits_and_admin_calls(daemon: DaemonProcess) -> None:
             await c.set_tq(0.5, gpu=1)
             await c.set_mode("serial", gpu=1)
             await c.set_scheduler(False, gpu=1)
-            await wait_for(lambda: c.scheduler_on[1] is False)  # SCHED_STATE push
+            await eventually_async(lambda: c.scheduler_on[1] is False, "GPU 1 unscheduled")  # SCHED_STATE push
             g1 = (await c.status()).gpus[1]
             assert (g1.tq_s, g1.mode, g1.scheduler_on) == (0.5, p.Mode.SERIAL, False)
             await c.set_scheduler(True, gpu=1)
-            await wait_for(lambda: c.scheduler_on[1] is True)
+            await eventually_async(lambda: c.scheduler_on[1] is True, "GPU 1 scheduled")
 
     asyncio.run(main())
 
@@ -158,14 +161,14 @@ def test_reconnect_and_reattach_after_a_daemon_restart(daemon: DaemonProcess) ->
             async with s1.slice():
                 pass
             await asyncio.to_thread(daemon.stop)
-            await wait_for(lambda: c._wire is None and not s1.holding and s1.id == 0)
+            await eventually_async(lambda: c._wire is None and not s1.holding and s1.id == 0, "the daemon gone")
             with pytest.raises(DaemonUnavailable, match="reconnecting"):
                 await c.status()
             away = asyncio.create_task(one_slice(s0))  # started while the daemon is away: it waits
-            await asyncio.sleep(0.1)
+            await eventually_async(lambda: s0.entering, "the slice waits for the lock")
             assert not away.done()
             await asyncio.to_thread(daemon.start)
-            await wait_for(lambda: c.reconnects == 1)
+            await eventually_async(lambda: c.reconnects == 1, "the client reconnects")
             assert await asyncio.wait_for(away, 5)
             async with s1.slice():
                 assert s1.holding
@@ -188,7 +191,7 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
 
                 async def cancelled_while_waiting() -> None:
                     task = asyncio.create_task(one_slice(s))
-                    await wait_for(lambda: s.state == "waiting")
+                    await eventually_async(lambda: s.state == "waiting", "the slice's LOCK_REQUEST is sent")
                     task.cancel()
                     with pytest.raises(asyncio.CancelledError):
                         await task
@@ -198,13 +201,13 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
                 take_lock(other, so)
                 await cancelled_while_waiting()
                 other.send(p.LockReleased(id=other.next_id(), session=so))
-                await wait_for(lambda: s.grants == 1 and s.state == "idle")
-                await wait_for(lambda: holders(daemon) == [])
+                await eventually_async(lambda: s.grants == 1 and s.state == "idle", "the grant is given back")
+                await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
                 # 2. A slice started after a cancelled one takes the queued grant.
                 take_lock(other, so)
                 await cancelled_while_waiting()
                 later = asyncio.create_task(one_slice(s))
-                await asyncio.sleep(0.05)
+                await eventually_async(lambda: s.entering, "the later slice waits for the queued grant")
                 assert not later.done()
                 other.send(p.LockReleased(id=other.next_id(), session=so))
                 assert await asyncio.wait_for(later, 2)
@@ -213,7 +216,7 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
                 # 3. Cancelled after the grant arrived but before the task resumed.
                 take_lock(other, so)
                 task = asyncio.create_task(one_slice(s))
-                await wait_for(lambda: s.state == "waiting")
+                await eventually_async(lambda: s.state == "waiting", "the slice's LOCK_REQUEST is sent")
                 receive = c._core.receive
 
                 def cancel_on_grant(msg: Any, now: float) -> Any:
@@ -228,7 +231,7 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
                     await task
                 c._core.receive = receive  # type: ignore[method-assign]
                 assert s.grants == 3 and s.state == "idle"
-                await wait_for(lambda: holders(daemon) == [])
+                await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
                 # 4. Cancelled in synchronize: the lock is given back all the same.
                 hang = asyncio.Event()
 
@@ -238,12 +241,12 @@ def test_a_cancelled_wait_neither_loses_nor_keeps_the_grant(
                 s.synchronize = synchronize
                 await s.acquire()
                 releasing = asyncio.create_task(s.release())
-                await wait_for(lambda: s.state == "releasing")
+                await eventually_async(lambda: s.state == "releasing", "synchronize runs")
                 releasing.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await releasing
                 assert s.state == "idle"
-                await wait_for(lambda: holders(daemon) == [])
+                await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
                 assert s.grants == 4
 
     caplog.set_level(logging.WARNING, logger="gpud_client")
@@ -275,7 +278,7 @@ def test_two_sessions_in_one_process_on_different_gpus(daemon: DaemonProcess) ->
             with pytest.raises(GpudError, match="closed"):
                 async with s0.slice():
                     pass
-            await wait_for(lambda: holders(daemon, 0) == [])
+            await eventually_async(lambda: holders(daemon, 0) == [], "GPU 0 has no holder")
             assert holders(daemon, 1) == ["two"]
 
     asyncio.run(main())
@@ -291,15 +294,12 @@ def test_async_leases_acquire_release_and_cancellation(daemon: DaemonProcess) ->
                 skipped = await other.acquire("gpu:0", task_type="SEMANTIC_REPAIR", max_wait_ms=50)
                 assert (skipped.status, skipped.reason) == ("SKIPPED", "TIMEOUT")
                 waiter = asyncio.ensure_future(other.acquire("gpu:0", task_type="NMT", max_wait_ms=5000))
-                await asyncio.sleep(0.1)
+                await eventually_async(lambda: lease_states(c, ["holding", "waiting"]), "the NMT acquire is queued")
                 waiter.cancel()  # the caller gives up while queued
                 with contextlib.suppress(asyncio.CancelledError):
                     await waiter
             # the abandoned NMT acquire got the GPU after r's release and was given straight back
-            for _ in range(200):
-                if not (await c.leases()).leases:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually_async(lambda: lease_states(c, []), "the abandoned grant is given back")
             assert (await c.leases()).leases == []
             with contextlib.suppress(RuntimeError):
                 async with c.lease("gpu:0", task_type="TTS") as r2:

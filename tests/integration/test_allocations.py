@@ -20,6 +20,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import AsyncClient, Client, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
+from .waiting import eventually
 from .wire import as_nobody, connect, expect
 
 
@@ -155,13 +156,10 @@ def test_waiters_are_served_in_priority_order(daemon: DaemonProcess) -> None:
 
         low = threading.Thread(target=wait, args=("low", "best-effort"))
         low.start()
-        time.sleep(0.2)
+        eventually(lambda: c.allocations().waiting == ["low"], "low waits")  # it came first
         high = threading.Thread(target=wait, args=("high", "production"))
         high.start()
-        deadline = time.monotonic() + 5
-        while c.allocations().waiting != ["high", "low"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: c.allocations().waiting == ["high", "low"], "high waits before low")
         c.release_allocation("a")
         high.join(5)
         assert "high" in results and "low" not in results
@@ -191,14 +189,11 @@ def test_allocations_of_dead_owners_are_reclaimed(daemon_factory: Callable[..., 
         with Client(d.socket) as c:
             c.allocate("owned", gpus=1, owner_pid=owner.pid)
             c.allocate("kept", gpus=0, cpus=1)
-            time.sleep(0.5)
+            time.sleep(0.5)  # not a wait: two reap passes run meanwhile, and a live owner's allocation stays
             assert {a.task_id for a in c.allocations().allocations} == {"owned", "kept"}
             owner.kill()
             owner.wait()
-            deadline = time.monotonic() + 5
-            while "owned" in {a.task_id for a in c.allocations().allocations}:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            eventually(lambda: "owned" not in {a.task_id for a in c.allocations().allocations}, "owned is reaped")
         assert '"allocation_reaped"' in d.log()
     finally:
         owner.kill()
@@ -234,9 +229,7 @@ def test_a_session_cannot_lift_its_own_allocations_ceiling_even_as_root(daemon: 
         assert s.core_limit == 25
         with Client(daemon.socket, name="operator") as admin:
             assert admin.set_limits("capped", core_limit=60) == [s.id]
-        deadline = time.monotonic() + 5
-        while s.core_limit != 60 and time.monotonic() < deadline:  # LIMITS_CHANGED is a push
-            time.sleep(0.01)
+        eventually(lambda: s.core_limit == 60, "LIMITS_CHANGED is pushed")
         assert s.core_limit == 60
 
 
@@ -318,7 +311,6 @@ def test_the_asyncio_client_allocates_too(daemon: DaemonProcess) -> None:
 def test_allocation_requests_are_counted_by_outcome(daemon_factory: Callable[..., DaemonProcess]) -> None:
     """gpud_allocation_requests_total{result}: it existed, documented nowhere and never counted."""
     from .test_caps import sample
-    from .waiting import eventually
 
     d = daemon_factory("--simulate", "1", "--metrics-addr", "127.0.0.1:0")
     with Client(d.socket) as c, Client(d.socket) as waiter:

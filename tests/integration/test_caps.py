@@ -30,7 +30,7 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 
-from . import waiting
+from .waiting import eventually
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock, wait_queue
 
 Factory = Callable[..., DaemonProcess]
@@ -45,10 +45,6 @@ def start(factory: Factory, tmp_path: Path, *flags: str, toml: str = "", **caps:
     cfg.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in caps.items()) + toml)
     return factory("--simulate", "2x16GiB", "--metrics-addr", "127.0.0.1:0", "--config", str(cfg), *flags)
 
-
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    return waiting.eventually(check, what, timeout)
 
 
 def events(d: DaemonProcess, name: str) -> list[dict[str, Any]]:
@@ -431,11 +427,13 @@ def test_out_of_descriptors_the_connected_clients_and_the_watchdog_go_on(
     for s in table[:5]:
         s.close()
     accepted: list[socket.socket] = []
-    deadline = time.monotonic() + 10
-    while len(accepted) < 5:  # refusals until the daemon has seen the closes
-        assert time.monotonic() < deadline, f"only {len(accepted)} of 5 accepted again"
+
+    def five_accepted() -> bool:  # refusals until the daemon has seen the closes
         if isinstance(got := greeted(d.socket), socket.socket):
             accepted.append(got)
+        return len(accepted) == 5
+
+    eventually(five_accepted, "5 accepted again after 5 closes", why=lambda: f"only {len(accepted)}")
     refused_by(d.socket, "max_connections")
     assert isinstance(kept.call(p.Status(id=kept.next_id())), p.StatusReply)
     assert not events(d, "fault") and not events(d, "accept_failed")

@@ -4,7 +4,6 @@ clients share are in test_client_behaviour.py)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,15 +13,8 @@ from gpud.spawn import DaemonProcess
 from gpud_client import Client, DaemonUnavailable, ErrorCode, GpudError, ProtocolError
 from gpud_client import protocol as p
 
+from .waiting import eventually
 from .wire import attach, connect, expect, gpu_status, request
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 def test_a_drop_between_slices_is_answered_at_once(daemon_factory: Callable[..., DaemonProcess]) -> None:
@@ -70,9 +62,9 @@ def test_reconnect_and_reattach_after_a_daemon_restart(daemon: DaemonProcess) ->
         with s.slice():
             pass
         daemon.stop()
-        wait_for(lambda: c._conn is None and not s.holding)
+        eventually(lambda: c._conn is None and not s.holding, "the client sees the daemon gone")
         daemon.start()
-        wait_for(lambda: c.reconnects == 1)
+        eventually(lambda: c.reconnects == 1, "the client reconnects")
         with s.slice():
             assert s.holding
         st = gpu_status(connect(daemon), 1)
@@ -102,7 +94,7 @@ def test_closing_a_held_session_frees_the_lock(daemon: DaemonProcess) -> None:
         with s.slice():
             s.close()
             assert not s.holding
-        wait_for(lambda: gpu_status(connect(daemon)).holders == [])
+        eventually(lambda: gpu_status(connect(daemon)).holders == [], "the lock is free")
         assert gpu_status(connect(daemon)).clients == 0
 
 
@@ -145,7 +137,7 @@ def test_a_request_sent_as_the_connection_is_replaced_never_reaches_the_new_daem
                 restarted = True
                 daemon.stop(sig=9)
                 daemon.start()
-                wait_for(lambda: c.reconnects == 1)
+                eventually(lambda: c.reconnects == 1, "the client reconnects")
             write(data, conn)
 
         c._write = write_after_a_restart  # type: ignore[method-assign]

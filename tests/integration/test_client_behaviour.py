@@ -17,7 +17,6 @@ follow.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 import threading
@@ -34,23 +33,10 @@ from gpud_client import ProtocolError
 from gpud_client import protocol as p
 
 from .drivers import KINDS, Driver, Gate, Kind
+from .waiting import eventually_async
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, request
 
 both = pytest.mark.parametrize("kind", KINDS)
-
-
-async def eventually(cond: Callable[[], Any], timeout: float = 5.0, what: str = "") -> None:
-    """Poll ``cond`` (a plain or async callable) until it is true; fail after ``timeout`` s."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got = cond()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not reached within {timeout} s{': ' + what if what else ''}")
-        await asyncio.sleep(0.01)
 
 
 def holders(d: DaemonProcess, gpu: int = 0) -> list[str]:
@@ -148,7 +134,7 @@ def test_a_lease_granted_just_as_its_caller_gives_up_is_released_at_once(kind: K
     async def scenario() -> None:
         async with await Driver.connect(kind, daemon.socket, name="quitter") as c:
             await give_up_as_the_answer_arrives(c)
-            await eventually(lambda: leases_are(c, []), what="the lease is released, not kept")
+            await eventually_async(lambda: leases_are(c, []), "the lease is released, not kept")
             with connect(daemon, "next") as other:  # nobody holds GPU 0
                 r = raw_acquire(other)
                 assert r.acquired and r.lease_id
@@ -170,10 +156,10 @@ def test_a_lease_granted_after_its_caller_timed_out_is_released(kind: Kind, daem
                 assert held.acquired and held.lease_id
                 with pytest.raises(DaemonUnavailable, match="did not answer"):
                     await c.call(p.Acquire(id=0, gpu="gpu:0", task_type="OTHER", max_wait_ms=3000), timeout=0.2)
-                await eventually(lambda: leases_are(c, ["waiting"]), what="the ACQUIRE is queued")
+                await eventually_async(lambda: leases_are(c, ["waiting"]), "the ACQUIRE is queued")
                 holder.call(p.Release(id=holder.next_id(), lease_id=held.lease_id))  # the grant goes to c
                 # max_wait is 3 s: a list empty well before says granted, then given back
-                await eventually(lambda: leases_are(c, []), timeout=2, what="the late grant is released")
+                await eventually_async(lambda: leases_are(c, []), "the late grant is released", timeout=2)
                 again = raw_acquire(holder)
                 assert again.acquired and again.lease_id  # nobody holds GPU 0
                 holder.call(p.Release(id=holder.next_id(), lease_id=again.lease_id))
@@ -204,10 +190,10 @@ def test_an_acquire_abandoned_before_a_reconnect_does_not_swallow_a_later_answer
                 assert raw_acquire(holder).acquired
                 with pytest.raises(DaemonUnavailable, match="did not answer"):
                     await c.call(p.Acquire(id=0, gpu="gpu:0", task_type="OTHER", max_wait_ms=3000), timeout=0.2)
-                await eventually(lambda: leases_are(c, ["waiting"]))
+                await eventually_async(lambda: leases_are(c, ["waiting"]), "the ACQUIRE is queued")
                 await asyncio.to_thread(d.stop, stop)  # the holder and the queued ACQUIRE end with it
             await asyncio.to_thread(d.start)
-            await eventually(lambda: c.reconnects == 1)
+            await eventually_async(lambda: c.reconnects == 1, "the client reconnects")
             r = await c.acquire("gpu:0", max_wait_ms=0)
             assert r.acquired and r.lease_id
             assert await my_leases(c) == ["holding"]  # held: the client did not give it back as "late"
@@ -231,7 +217,7 @@ def test_a_session_whose_gpu_is_gone_after_a_restart_fails_alone(kind: Kind, dae
             await asyncio.to_thread(daemon.stop)
             daemon.args = ["--simulate", "1"]
             await asyncio.to_thread(daemon.start)
-            await eventually(lambda: c.reconnects == 1, what="reconnected although GPU 1 is gone")
+            await eventually_async(lambda: c.reconnects == 1, "reconnected although GPU 1 is gone")
             async with keep.slice():
                 assert keep.holding
             assert holders(daemon) == ["fewer"]
@@ -263,17 +249,17 @@ def test_a_lock_lost_with_the_connection_is_told_at_once_and_raised_at_the_end(
             with pytest.raises(LockLost, match="lost the GPU lock on GPU 0"):
                 async with s.slice():
                     await asyncio.to_thread(d.stop, 9)
-                    await eventually(lambda: lost, what="on_lost is called while the slice runs")
+                    await eventually_async(lambda: lost, "on_lost is called while the slice runs")
                     assert isinstance(lost[0], LockLost) and not s.holding
             await asyncio.to_thread(d.start)
-            await eventually(lambda: c.reconnects == 1 and s.id != 0)
+            await eventually_async(lambda: c.reconnects == 1 and s.id != 0, "reconnected and re-attached")
             await s.acquire()
             await asyncio.to_thread(d.stop, 9)
-            await eventually(lambda: len(lost) == 2)
+            await eventually_async(lambda: len(lost) == 2, "on_lost is called for the second loss")
             with pytest.raises(LockLost):
                 await s.release()
             await asyncio.to_thread(d.start)
-            await eventually(lambda: c.reconnects == 2 and s.id != 0)
+            await eventually_async(lambda: c.reconnects == 2 and s.id != 0, "reconnected and re-attached again")
             async with s.slice():  # raises nothing: each loss is raised once
                 assert s.holding
             assert holders(d) == ["lost"] and len(lost) == 2
@@ -310,9 +296,9 @@ def test_reconnect_backoff_is_jittered(kind: Kind, daemon: DaemonProcess, monkey
     async def scenario() -> None:
         async with await Driver.connect(kind, daemon.socket, name="jitter") as c:
             await asyncio.to_thread(daemon.stop)
-            await eventually(lambda: len(waits) >= 3, what="three waits while the daemon is away")
+            await eventually_async(lambda: len(waits) >= 3, "three waits while the daemon is away")
             await asyncio.to_thread(daemon.start)
-            await eventually(lambda: c.reconnects == 1)
+            await eventually_async(lambda: c.reconnects == 1, "the client reconnects")
 
     run(scenario)
     assert [(a, d) for a, d, _ in waits[:3]] == [(0, 0.0), (1, 0.5), (2, 0.2)]
@@ -346,7 +332,7 @@ def test_a_slow_on_drop_delays_no_push_for_another_session(
             with connect(d, "want0") as o0, connect(d, "want1") as o1:
                 s0, s1 = attach(o0, 0), attach(o1, 1)
                 request(o0, s0)
-                await eventually(gate.reached.is_set, what="A's on_drop runs")
+                await eventually_async(gate.reached.is_set, "A's on_drop runs")
                 # A's hook blocks; B's DROP_LOCK is answered all the same ...
                 request(o1, s1)
                 assert (await asyncio.to_thread(expect, o1, p.LockOk, 3)).session == s1
@@ -359,7 +345,7 @@ def test_a_slow_on_drop_delays_no_push_for_another_session(
                         entered.set()
 
                 task = asyncio.create_task(b_slice())
-                await eventually(lambda: [w.name for w in gpu_status(o0, 1).queue] == ["hooks"])
+                await eventually_async(lambda: [w.name for w in gpu_status(o0, 1).queue] == ["hooks"], "B is queued")
                 o1.send(p.LockReleased(id=o1.next_id(), session=s1))
                 await asyncio.wait_for(task, 3)
                 assert entered.is_set() and b.holding and holders(d, 0) == ["hooks"]
@@ -419,7 +405,7 @@ def test_an_on_drop_may_release_the_session_itself_once(
                 so = attach(other)
                 request(other, so)
                 assert (await asyncio.to_thread(expect, other, p.LockOk, 3)).session == so
-                await eventually(lambda: s.state == "idle")
+                await eventually_async(lambda: s.state == "idle", "the session released")
                 # a bounded window, in which a second LOCK_RELEASED would come back refused (logged)
                 assert await asyncio.to_thread(nothing_arrives, other, 0.2)
                 assert [h.name for h in gpu_status(other).holders] == ["other"]
@@ -482,9 +468,9 @@ def test_an_unused_lock_is_released_after_idle_release(kind: Kind, daemon: Daemo
                 pass
             t0 = loop.time()
             assert s.holding
-            await eventually(lambda: not s.holding)
+            await eventually_async(lambda: not s.holding, "the idle lock is released")
             assert loop.time() - t0 >= 0.15
-            await eventually(lambda: holders(daemon) == [])
+            await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
             assert s.grants == 1
 
     run(scenario)
@@ -511,7 +497,8 @@ def test_a_pending_drop_releases_at_slice_exit_after_on_drop_and_synchronize(
                 so = attach(other)
                 async with s.slice():
                     request(other, so)
-                    await eventually(lambda: events == ["drop:tq"])  # told at once, while the slice runs
+                    # told at once, while the slice runs
+                    await eventually_async(lambda: events == ["drop:tq"], "on_drop is called")
                     assert s.drop_pending == DropReason.TQ and holders(d) == ["trainer"]
                 assert events == ["drop:tq", "sync"] and not s.holding and s.drops == 1
                 assert holders_at_sync == [["trainer"]]  # synchronize ran before LOCK_RELEASED
@@ -534,7 +521,7 @@ def test_slices_do_not_nest_and_a_closed_session_refuses_slices(kind: Kind, daem
             with pytest.raises(GpudError, match="closed"):
                 async with s.slice():
                     pass
-            await eventually(lambda: holders(daemon) == [])
+            await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
 
     run(scenario)
 
@@ -549,11 +536,11 @@ def test_acquire_keeps_the_lock_until_release(kind: Kind, daemon: DaemonProcess)
             async with witness.slice():
                 pass
             # the idle sweep that gives back the witness's lock comes after s's idle deadline too
-            await eventually(lambda: not witness.holding)
+            await eventually_async(lambda: not witness.holding, "the witness's idle lock is released")
             assert s.holding and holders(daemon) == ["pinned"]
             await s.release()
             assert not s.holding
-            await eventually(lambda: holders(daemon) == [])
+            await eventually_async(lambda: holders(daemon) == [], "GPU 0 has no holder")
 
     run(scenario)
 
@@ -568,7 +555,7 @@ def test_while_the_daemon_is_away_a_slice_raises_or_runs_unarbitrated(kind: Kind
         ):
             s, t = await strict.session(0), await lax.session(1)
             await asyncio.to_thread(daemon.stop)
-            await eventually(lambda: not strict.connected and not lax.connected)
+            await eventually_async(lambda: not (strict.connected or lax.connected), "both see the daemon gone")
             t0 = loop.time()
             with pytest.raises(DaemonUnavailable, match="unreachable for 0.3 s"):
                 async with s.slice():
@@ -589,7 +576,7 @@ def test_memory_above_the_limit_raises_at_the_next_slice(kind: Kind, daemon: Dae
             s = await c.session(0, mem_estimate="1GiB", mem_limit="2GiB", framework_hooks=False)
             async with s.slice():
                 await s.report_memory(3 * 2**30)
-            await eventually(lambda: s.mem_error is not None)
+            await eventually_async(lambda: s.mem_error is not None, "the memory error arrives")
             with pytest.raises(MemoryLimitExceeded, match="above its limit of 2147483648 bytes") as err:
                 async with s.slice():
                     pass

@@ -35,6 +35,8 @@ from typing import NoReturn
 from gpud.spawn import DaemonProcess
 from gpud_client import Client
 
+from . import waiting
+
 WORKER = Path(__file__).with_name("crash_worker.py")
 WORKERS = 4
 KILLS = 5
@@ -233,6 +235,10 @@ class CrashHarness:
         return f"{t - self.t_base:.3f}"
 
     def fail(self, what: str) -> NoReturn:
+        raise AssertionError(self.report(what))
+
+    def report(self, what: str) -> str:
+        """``what``, with the seed, the kill times and the daemon's and failed workers' last lines."""
         lines = (self.daemon.log() if self.daemon is not None else "").splitlines()
         # every daemon's warnings and errors (the log file is shared by all of them), then its last lines
         notable = [line for line in lines if '"level":"info"' not in line and '"level":"debug"' not in line]
@@ -241,19 +247,21 @@ class CrashHarness:
             if proc.poll() not in (None, 0):
                 tail += f"\nworker {name} exited with {proc.returncode}:\n" + (
                     (self.out / f"{name}.stderr").read_text(errors="replace")[-1500:])
-        raise AssertionError(
+        return (
             f"{what}\n(seed {self.seed}: GPUD_CRASH_SEED={self.seed} repeats its choices; times in s since start;"
             f" kills at {[self.at(t) for t in self.kills]}, daemon up at {[self.at(t) for t in self.restarts]};"
             f" worker records and gpud.log in {self.out})\ndaemon log:\n{tail}"
         )
 
-    def eventually(self, check: Callable[[], str | None], timeout: float) -> None:
-        """Wait until ``check`` returns None; what it returned last is the failure."""
-        deadline = time.monotonic() + timeout
-        while (why := check()) is not None:
-            if time.monotonic() > deadline:
-                self.fail(f"not within {timeout} s: {why}")
-            time.sleep(0.02)
+    def eventually(self, check: Callable[[], str | None], what: str, timeout: float) -> None:
+        """Wait until ``check`` returns None; what it returned last, and the report, is the failure."""
+        last: list[str | None] = [None]
+
+        def holds() -> bool:
+            last[0] = check()
+            return last[0] is None
+
+        waiting.eventually(holds, what, timeout, why=lambda: self.report(f"{last[0]}"))
 
     # --- the checks after each restart ---------------------------------------
 
@@ -309,9 +317,9 @@ class CrashHarness:
 
     def after_restart(self) -> None:
         since_kill, since_up = self.kills[-1] if self.kills else 0.0, self.restarts[-1]
-        self.eventually(lambda: self.sessions_back(since_kill), RECONNECT_S)
+        self.eventually(lambda: self.sessions_back(since_kill), "every worker's sessions are back", RECONNECT_S)
         self.check_allocations()
-        self.eventually(lambda: self.regranted(since_up), REGRANT_S)
+        self.eventually(lambda: self.regranted(since_up), "every GPU is granted again", REGRANT_S)
 
     # --- the checks at the end -------------------------------------------------
 
@@ -370,14 +378,15 @@ def test_sigkill_and_restart_under_load_keep_allocations_sessions_and_exclusion(
     try:
         h.start_daemon()
         h.start_workers(WORKERS)
-        h.eventually(lambda: None if all(log.ready for log in h.logs().values()) else "workers not ready", 20)
-        h.eventually(lambda: h.regranted(h.restarts[-1]), REGRANT_S)
+        h.eventually(lambda: None if all(log.ready for log in h.logs().values()) else "workers not ready",
+                     "the workers are ready", 20)
+        h.eventually(lambda: h.regranted(h.restarts[-1]), "every GPU is granted", REGRANT_S)
         for _ in range(KILLS):
-            time.sleep(h.rng.uniform(*KILL_GAP_S))  # the moment of the kill, under load
+            time.sleep(h.rng.uniform(*KILL_GAP_S))  # not a wait: load runs until the (random) moment of the kill
             h.kill_daemon()
             h.start_daemon()
             h.after_restart()
-        time.sleep(h.rng.uniform(*KILL_GAP_S))
+        time.sleep(h.rng.uniform(*KILL_GAP_S))  # not a wait: load after the last restart, before the end
         h.stop_workers()
         h.check_end()
         print(h.summary())

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,14 @@ def test_socket_from_the_environment_and_its_directory_is_created() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while True:
+        def listening() -> Connection | None:
+            assert proc.poll() is None, "gpud exited"
             try:
-                conn = Connection(path)
-                break
+                return Connection(path)
             except DaemonUnavailable:
-                assert proc.poll() is None and time.monotonic() < deadline, "gpud did not listen"
-                time.sleep(0.02)
+                return None
+
+        conn = eventually(listening, f"gpud listens on {path}")
         conn.hello("env")
         assert len(gpu_status_all(conn)) == 1
         conn.close()

@@ -23,6 +23,7 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 
+from .waiting import eventually
 from .wire import attach, connect, take_lock
 
 
@@ -178,8 +179,7 @@ def test_requests_during_shutdown_get_shutting_down_and_exit_is_clean(daemon: Da
 
     flooder = threading.Thread(target=flood)
     flooder.start()
-    while len(answers) < 50:
-        time.sleep(0.01)
+    eventually(lambda: len(answers) >= 50, "50 answers to the flood")
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(10) == 0

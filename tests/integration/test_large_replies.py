@@ -38,7 +38,7 @@ from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient
 from gpud_client.connection import Connection
 
-from . import waiting
+from .waiting import eventually
 from .wire import attach, connect, expect, gpu_status, nothing_arrives, take_lock
 
 SESSION_CONNS, SESSIONS_EACH = 20, 50
@@ -86,10 +86,6 @@ class Node:
 
 
 
-def eventually(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    return waiting.eventually(check, what, timeout)
-
-
 def waiting_leases(conn: Connection) -> int:
     return sum(le.state == "waiting" for le in conn.call(p.ListLeases(id=conn.next_id())).leases)
 
@@ -113,7 +109,7 @@ def _load(node: Node) -> None:
         for j in range(LEASES_EACH):
             conn.send(p.Acquire(id=conn.next_id(), gpu=0, task_type=TASK, max_wait_ms=60_000,
                                 trace=trace(k * LEASES_EACH + j)))
-    eventually(lambda: waiting_leases(node.checker) == WAITER_CONNS * LEASES_EACH, "500 waiting leases")
+    eventually(lambda: waiting_leases(node.checker) == WAITER_CONNS * LEASES_EACH, "500 waiting leases", timeout=20)
     alloc = _open(node.d, ALLOCATOR, node.conns)
     for start in range(0, ALLOCATIONS, 50):
         for i in range(start, start + 50):
@@ -342,7 +338,7 @@ def test_pipelined_large_answers_wait_for_a_late_reader(node: Node) -> None:
     late = _open(node.d, "late-reader", node.conns)
     first = late.next_id()
     late.send_raw(b"".join(p.client_codec().encode(p.ListClients(id=first + i)) for i in range(50)))
-    eventually(lambda: unread_bytes(late) > p.MAX_FRAME_BYTES, "answers queued for the late reader")
+    eventually(lambda: unread_bytes(late) > p.MAX_FRAME_BYTES, "answers queued for the late reader", timeout=20)
     # While its answers wait unread, the daemon keeps serving others, large answers included.
     assert_lock_kept(node)
     check_clients(gpuctl_json(node.d, "clients", p.ClientsReply), node)

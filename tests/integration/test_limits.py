@@ -16,6 +16,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import Client, MemoryLimitExceeded, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
+from .waiting import eventually
 from .wire import as_nobody, attach, connect, expect, gpu_status, take_lock, wait_queue
 
 # A worker that always has work: 3 ms "kernels" inside slices, forever.
@@ -59,7 +60,7 @@ def fast(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
 def test_a_limited_process_is_throttled_to_its_share(fast: DaemonProcess) -> None:
     proc = worker(fast, "limited", 20)
     try:
-        time.sleep(3.2)  # six windows
+        time.sleep(3.2)  # not a wait: the share is measured over these six windows
         info = session_info(fast, "limited")
         assert info.core_limit == 20 and info.budget_ms == 100.0
         assert info.drops.get("quota", 0) >= 4
@@ -73,7 +74,7 @@ def test_only_the_over_budget_process_is_throttled(daemon_factory: Callable[...,
     fast = daemon_factory("--simulate", "1x16GiB", "--mode", "concurrent", "--window", "0.5", "--share-windows", "4")
     a, b = worker(fast, "small", 10), worker(fast, "big", 100)
     try:
-        time.sleep(3.2)
+        time.sleep(3.2)  # not a wait: the shares are measured over these six windows
         small, big = session_info(fast, "small"), session_info(fast, "big")
         assert small.drops.get("quota", 0) >= 3 and big.drops.get("quota", 0) == 0
         assert 5 <= small.recent_share_percent <= 15
@@ -87,20 +88,20 @@ def test_only_the_over_budget_process_is_throttled(daemon_factory: Callable[...,
 def test_a_live_limit_change_governs_at_once_and_keeps_the_use(fast: DaemonProcess) -> None:
     proc = worker(fast, "trainer", 100)
     try:
-        time.sleep(1.2)
+        time.sleep(1.2)  # not a wait: two windows pass, and an unlimited process is never dropped
         assert session_info(fast, "trainer").drops.get("quota", 0) == 0
         out = gpuctl(fast, "limit", "trainer", "--core", "30", "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["core_limit"] == 30
         info = session_info(fast, "trainer")
         assert info.core_limit == 30
-        time.sleep(2.6)
+        time.sleep(2.6)  # not a wait: the share is measured over the windows after the change
         info = session_info(fast, "trainer")
         assert info.drops.get("quota", 0) >= 4
         assert 25 <= info.recent_share_percent <= 40, info
         drops = info.drops["quota"]
         assert gpuctl(fast, "limit", "trainer", "--core", "100").returncode == 0
-        time.sleep(2.6)  # the last 4 windows all after the raise
+        time.sleep(2.6)  # not a wait: the last 4 windows, over which the share is measured, all after the raise
         info = session_info(fast, "trainer")
         assert info.recent_share_percent >= 85 and info.drops["quota"] <= drops + 1, info
     finally:
@@ -148,9 +149,7 @@ def test_memory_above_the_limit_raises_at_the_next_slice(daemon: DaemonProcess) 
         s = c.session(0, mem_estimate="1GiB", mem_limit="2GiB", framework_hooks=False)
         with s.slice():
             s.report_memory(3 * 2**30)
-        deadline = time.monotonic() + 5
-        while s.mem_error is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: s.mem_error is not None, "the memory error arrives")
         with pytest.raises(MemoryLimitExceeded, match="above its limit of 2147483648 bytes") as err:
             with s.slice():
                 pass
@@ -168,10 +167,7 @@ def test_memory_probe_reports_use_at_slice_end(daemon: DaemonProcess) -> None:
         use[0] = 5 * 2**30
         with s.slice():
             pass
-        deadline = time.monotonic() + 5
-        while session_info(daemon, "probe").mem_used_bytes != 5 * 2**30:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        eventually(lambda: session_info(daemon, "probe").mem_used_bytes == 5 * 2**30, "the probed use is reported")
 
 
 class FakeCuda:
@@ -202,17 +198,12 @@ def test_pytorch_memory_fraction_follows_the_limit(daemon: DaemonProcess, monkey
         s = c.session(0, mem_limit="4GiB")
         assert torch.cuda.fractions == [(0.25, 0)]  # type: ignore[attr-defined]
         s.set_limits(mem_limit="8GiB")
-        deadline = time.monotonic() + 5
-        while len(torch.cuda.fractions) < 2:  # type: ignore[attr-defined]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: len(torch.cuda.fractions) >= 2, "the new fraction is set")  # type: ignore[attr-defined]
         assert torch.cuda.fractions[-1] == (0.5, 0)  # type: ignore[attr-defined]
         with s.slice():
             pass
-        deadline = time.monotonic() + 5
-        while session_info(daemon, "torchy").mem_used_bytes != 3 * 2**30:  # torch's reserved memory reported
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        # torch's reserved memory reported
+        eventually(lambda: session_info(daemon, "torchy").mem_used_bytes == 3 * 2**30, "torch's memory is reported")
 
 
 class ThreadedCuda(FakeCuda):
@@ -239,10 +230,7 @@ def test_a_limit_change_caps_the_device_the_session_was_made_on(
     with Client(daemon.socket, name="second-device") as c:
         s = c.session(0, mem_limit="4GiB")
         s.set_limits(mem_limit="8GiB")  # applied on the client's reader thread, whose device is 0
-        deadline = time.monotonic() + 5
-        while len(cuda.fractions) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: len(cuda.fractions) >= 2, "the new fraction is set")
     assert cuda.fractions == [(0.25, 1), (0.5, 1)]
 
 

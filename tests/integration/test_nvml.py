@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpud.spawn import DaemonProcess
 from gpud_client import Client, MemoryLimitExceeded
 
+from .waiting import eventually
+
 FAKE = str(Path(__file__).resolve().parent.parent / "fakenvml")
 GIB = 2**30
 INTERVAL_S = 0.1  # monitor_interval_s of these daemons
@@ -83,18 +85,12 @@ def metric(d: DaemonProcess, metric_name: str, **labels: str) -> float:
     raise AssertionError(f"no {metric_name}{labels}")
 
 
-def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll until ``check`` holds (a missing metric counts as not yet)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check():
-                return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+def metric_is(d: DaemonProcess, metric_name: str, value: float, **labels: str) -> bool:
+    """Whether the daemon exports ``value`` for this sample; one not exported yet is not it yet."""
+    try:
+        return metric(d, metric_name, **labels) == value
+    except AssertionError:  # no such sample, or the metrics port is not logged yet
+        return False
 
 
 def test_real_gpus_are_discovered_and_sampled(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
@@ -103,7 +99,7 @@ def test_real_gpus_are_discovered_and_sampled(nvml_daemon: tuple[DaemonProcess, 
         st = c.status()
         assert [(g.name, g.uuid, g.simulated) for g in st.gpus] == [
             ("NVIDIA A100-SXM4-40GB", "GPU-aaaa", False), ("NVIDIA L4", "GPU-bbbb", False)]
-    eventually(lambda: metric(d, "gpud_gpu_utilization_ratio", gpu="0") == 0.35)
+    eventually(lambda: metric_is(d, "gpud_gpu_utilization_ratio", 0.35, gpu="0"), "GPU 0 sampled", why=d.log)
     assert metric(d, "gpud_gpu_memory_used_bytes", gpu="0") == GIB
     assert metric(d, "gpud_gpu_memory_total_bytes", gpu="1") == 24 * GIB
     assert metric(d, "gpud_gpu_info", gpu="1", UUID="GPU-bbbb", name="NVIDIA L4") == 1
@@ -114,8 +110,8 @@ def test_per_process_memory_is_the_daemons_own_check(nvml_daemon: tuple[DaemonPr
     with Client(d.socket, name="greedy") as c:
         s = c.session(0, mem_estimate="1GiB", mem_limit="4GiB", framework_hooks=False)
         update({"0": {"procs": {str(os.getpid()): 6 * GIB}}})  # NVML sees more than the limit
-        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == 6 * GIB)
-        eventually(lambda: s.mem_error is not None)
+        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == 6 * GIB, "NVML's use is read")
+        eventually(lambda: s.mem_error is not None, "the memory error arrives")
         with pytest.raises(MemoryLimitExceeded):
             with s.slice():
                 pass
@@ -126,7 +122,7 @@ def test_a_lost_gpu_is_unhealthy_not_fatal(nvml_daemon: tuple[DaemonProcess, Cal
     d, update = nvml_daemon
     update({"1": {"lost": True}})
     with Client(d.socket) as c:
-        eventually(lambda: not c.status().gpus[1].healthy)
+        eventually(lambda: not c.status().gpus[1].healthy, "GPU 1 unhealthy")
         assert c.status().gpus[0].healthy
         s = c.session(0)
         with s.slice():
@@ -135,7 +131,7 @@ def test_a_lost_gpu_is_unhealthy_not_fatal(nvml_daemon: tuple[DaemonProcess, Cal
     assert [e["reason"] for e in events(d, "gpu_unhealthy")] == ["GPU is lost"]
     update({"1": {"lost": False}})
     with Client(d.socket) as c:
-        eventually(lambda: c.status().gpus[1].healthy)
+        eventually(lambda: c.status().gpus[1].healthy, "GPU 1 healthy again")
     assert metric(d, "gpud_gpu_healthy", gpu="1") == 1
     assert [e["gpu"] for e in events(d, "gpu_healthy_again")] == [1]
 
@@ -146,7 +142,9 @@ def test_a_hung_gpu_is_unhealthy_within_three_intervals_and_nothing_else_waits(t
         sample_gpu0 = _sampler_of_gpu0(c, update, os.getpid())
         sample_gpu0(1)  # sampling has begun; GPU 1 was just read: the worst moment for a hang to begin
         update({"1": {"hang": True}})
-        took = wait_for(lambda: not c.status().gpus[1].healthy)
+        began = time.monotonic()
+        eventually(lambda: not c.status().gpus[1].healthy, "GPU 1 unhealthy")
+        took = time.monotonic() - began
         print(f"\nhung GPU shown unhealthy {took * 1000:.0f} ms after its hang began "
               f"({took / HANG_INTERVAL_S:.2f} monitor intervals)")
         assert took < 3 * HANG_INTERVAL_S
@@ -164,7 +162,7 @@ def test_a_hung_gpu_is_unhealthy_within_three_intervals_and_nothing_else_waits(t
         [event] = events(d, "gpu_unhealthy")
         assert event["gpu"] == 1 and str(event["reason"]).startswith("its NVML call has not returned for ")
         update({"1": {"hang": False}})
-        eventually(lambda: c.status().gpus[1].healthy)
+        eventually(lambda: c.status().gpus[1].healthy, "GPU 1 healthy again")
         assert metric(d, "gpud_gpu_healthy", gpu="1") == 1
         assert [e["gpu"] for e in events(d, "gpu_healthy_again")] == [1]
 
@@ -173,7 +171,7 @@ def test_sigterm_exits_at_once_while_nvml_calls_hang_for_ever(tmp_path: Path) ->
     with _nvml_daemon(tmp_path) as (d, update):
         update({"0": {"hang": "forever"}, "1": {"hang": "forever"}})
         with Client(d.socket) as c:
-            eventually(lambda: not any(g.healthy for g in c.status().gpus))
+            eventually(lambda: not any(g.healthy for g in c.status().gpus), "both GPUs unhealthy")
         assert d.proc is not None
         began = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
@@ -191,7 +189,7 @@ def _sampler_of_gpu0(c: Client, update: Update, pid: int) -> Callable[[int], Non
 
     def sample(gib: int) -> None:
         update({"0": {"procs": {str(pid): gib * GIB}}})
-        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == gib * GIB)
+        eventually(lambda: c.clients().clients[0].sessions[0].mem_used_bytes == gib * GIB, f"{gib} GiB read")
 
     return sample
 
@@ -213,15 +211,6 @@ def events(d: DaemonProcess, name: str) -> list[dict[str, object]]:
     return out
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> float:
-    """Poll ``check`` closely until it holds; the seconds it took."""
-    began = time.monotonic()
-    while not check():
-        assert time.monotonic() - began < timeout, "condition not reached"
-        time.sleep(0.005)
-    return time.monotonic() - began
-
-
 def test_daemon_metrics_are_scraped(nvml_daemon: tuple[DaemonProcess, Callable[..., None]]) -> None:
     d, _ = nvml_daemon
     with Client(d.socket, name="trainer") as c:
@@ -230,7 +219,8 @@ def test_daemon_metrics_are_scraped(nvml_daemon: tuple[DaemonProcess, Callable[.
             pass
         s.release()
         c.call(__import__("gpud_client").protocol.Attach(id=0, gpu=0, priority=5))
-        eventually(lambda: metric(d, "gpud_session_core_limit_ratio", gpu="0", client="trainer") == 0.4)
+        eventually(lambda: metric_is(d, "gpud_session_core_limit_ratio", 0.4, gpu="0", client="trainer"),
+                   "the session's core limit is exported")
         assert metric(d, "gpud_clients") >= 1
         assert metric(d, "gpud_messages_total", type="LOCK_REQUEST") == 1
         assert metric(d, "gpud_lock_grants_total", gpu="0") == 1

@@ -80,7 +80,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def hold_until(flag: str, pid_file: str) -> int:
     """Holds the lock (the whole body is one slice) until ``flag`` exists."""
     Path(pid_file).write_text(str(os.getpid()))
-    while not os.path.exists(flag):
+    while not os.path.exists(flag):  # the task's work, as long as the test wants (another process's flag)
         time.sleep(0.01)
     return os.getpid()
 
@@ -125,7 +125,7 @@ def crash_once(marker: str) -> dict[str, Any]:
     me = "task." + ray.get_runtime_context().get_task_id()  # the same id for every attempt
     with Client() as c:
         mine = [(a.task_id, a.owner_pid) for a in c.allocations().allocations if a.task_id.endswith(me)]
-    time.sleep(2.5)  # a reap pass (every 2 s) runs meanwhile: what this attempt holds must stay
+    time.sleep(2.5)  # not a wait: a reap pass (every 2 s) runs meanwhile, and what this attempt holds must stay
     with Client() as c:
         after = [a.task_id for a in c.allocations().allocations if a.task_id.endswith(me)]
     return {"pid": os.getpid(), "core_limit": session.core_limit, "allocations": mine, "after": after}

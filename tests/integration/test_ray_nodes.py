@@ -23,7 +23,8 @@ from gpud.spawn import DaemonProcess  # noqa: E402
 from gpud_client import Client  # noqa: E402
 from gpud_client.ray import current_sessions, gpud_task  # noqa: E402
 
-from .test_ray import allocations, eventually  # noqa: E402
+from .test_ray import allocations  # noqa: E402
+from .waiting import eventually  # noqa: E402
 
 
 # --- two nodes --------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ def report_and_hold(flag: str) -> dict[str, Any]:
     info = {"socket": os.environ.get("GPUD_SOCKET"), "session": session.id, "core_limit": session.core_limit,
             "node": ray.get_runtime_context().get_node_id()}
     Path(flag + "." + info["node"]).write_text(json.dumps(info))
-    while not os.path.exists(flag):
+    while not os.path.exists(flag):  # the task's work, as long as the test wants (another process's flag)
         time.sleep(0.01)
     return info
 

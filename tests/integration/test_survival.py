@@ -29,7 +29,7 @@ def reaps_done(d: DaemonProcess, at_least: int) -> None:
     while time.monotonic() < deadline:
         assert d.proc is not None and d.proc.poll() is None, d.log()[-2000:]
         conn.call(p.Status(id=conn.next_id()))
-        time.sleep(0.05)
+        time.sleep(0.05)  # not a wait: the daemon must live and answer while time passes (no count of reaps to watch)
     conn.close()
 
 

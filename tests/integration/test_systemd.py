@@ -20,6 +20,8 @@ from gpud_client import Client
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 
+from .waiting import eventually
+
 ROOT = Path(__file__).resolve().parents[2]
 GPUD = shutil.which("gpud", path=os.path.dirname(sys.executable)) or "gpud"
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -177,19 +179,14 @@ def test_sighup_reloads_without_dropping_a_client(tmp_path: Path) -> None:
             )
             assert d.proc is not None
             d.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 5
-            while '"config_reloaded"' not in d.log():
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            eventually(lambda: '"config_reloaded"' in d.log(), "config_reloaded in the log", why=d.log)
             st = c.status().gpus[0]
             assert (st.tq_s, st.mode) == (7.5, "serial")
             assert c.policies()["ASR"].priority == 99
             assert s.holding and c.reconnects == 0  # nobody was dropped
             cfg.write_text("tq_s = -1\n")
             d.proc.send_signal(signal.SIGHUP)
-            while '"config_reload_failed"' not in d.log():
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            eventually(lambda: '"config_reload_failed"' in d.log(), "config_reload_failed in the log", why=d.log)
             assert c.status().gpus[0].tq_s == 7.5  # a bad file changes nothing
     finally:
         d.cleanup()

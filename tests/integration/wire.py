@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,8 @@ import pytest
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
+
+from .waiting import eventually
 
 
 def connect(d: DaemonProcess, name: str = "test") -> Connection:
@@ -57,12 +58,15 @@ def nothing_arrives(conn: Connection, within: float = 0.2) -> bool:
     raise AssertionError(f"unexpected message {msg!r}")
 
 
-def wait_queue(conn: Connection, expected: list[int], gpu: int = 0, timeout: float = 5.0) -> None:
+def wait_queue(conn: Connection, expected: list[int], gpu: int = 0, timeout: float = 10.0) -> None:
     """Poll STATUS until GPU ``gpu``'s queue is ``expected`` (no blind sleeps)."""
-    deadline = time.monotonic() + timeout
-    while (got := [w.session for w in gpu_status(conn, gpu).queue]) != expected:
-        assert time.monotonic() < deadline, f"queue is {got}, expected {expected}"
-        time.sleep(0.005)
+    got: list[int] = []
+
+    def queued() -> bool:
+        got[:] = [w.session for w in gpu_status(conn, gpu).queue]
+        return got == expected
+
+    eventually(queued, f"GPU {gpu}'s queue is {expected}", timeout, why=lambda: f"it is {got}")
 
 
 NOBODY = 65534

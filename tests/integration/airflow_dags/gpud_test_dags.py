@@ -64,6 +64,8 @@ def then() -> None:
         raise RuntimeError("this task was asked to fail")
     if what == "kill_first_try" and ti.try_number == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    # The task's work, not a wait on the test: until the test's flag file exists ("flag"), or until
+    # the task is killed or timed out ("sleep"), another process's doing either way.
     while what in ("flag", "sleep") and time.monotonic() < deadline:
         if what == "flag" and os.path.exists(conf["flag"]):
             return
