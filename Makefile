@@ -27,7 +27,7 @@ BUILD_SOURCES = pyproject.toml README.md gpud client/pyproject.toml client/gpud_
 # Local pip config may say more; only the version nag is turned off.
 PIP = PIP_DISABLE_PIP_VERSION_CHECK=1 '$(VENVDIR)/bin/python' -m pip
 
-.PHONY: demo test test-fast bench clean install uninstall
+.PHONY: demo test test-fast check bench clean install uninstall
 
 $(BASE): pyproject.toml client/pyproject.toml
 	@echo "make: installing gpud and gpud-client into $(VENV) (once; about 20 s)"
@@ -46,6 +46,11 @@ demo: $(BASE)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Lint (ruff, rules in pyproject.toml) and types (mypy --strict on gpud and gpud_client), outside pytest.
+check: $(STAMP)
+	$(VENV)/bin/ruff check gpud client bench tests examples
+	$(VENV)/bin/python -m mypy
 
 # The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
 test-fast: $(STAMP)

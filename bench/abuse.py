@@ -64,6 +64,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError
+
 from harness import Run, machine_line, progress  # bench/, on the path when run as a script
 from percentiles import percentile
 

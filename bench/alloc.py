@@ -34,6 +34,7 @@ from pathlib import Path
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
+
 from harness import Run, progress  # bench/, on the path when run as a script
 from percentiles import percentile
 

@@ -76,13 +76,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from arbiter_stats import MeasurementError, mode_figures, phase_figures
-from harness import Run, machine_line, progress
-from arbiter_workers import Gate, Stream, cycle_worker, flood_worker, schedule, service_worker
-
 import gpud
 import gpud_client
 from gpud.spawn import DaemonProcess
+
+from arbiter_stats import MeasurementError, mode_figures, phase_figures
+from arbiter_workers import Gate, Stream, cycle_worker, flood_worker, schedule, service_worker
+from harness import Run, machine_line, progress
 
 ASR = Stream(task_type="ASR", rate_per_s=25.0, hold_ms=(8.0, 15.0), mem_gib=3.0, max_wait_ms=3000)
 NMT = Stream(task_type="NMT", rate_per_s=25.0, hold_ms=(5.0, 10.0), mem_gib=2.0, max_wait_ms=3000)

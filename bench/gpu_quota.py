@@ -62,19 +62,26 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
+
+from gpud.spawn import DaemonProcess
+from gpud_client import Client
+
 from gpu_timeline import (
-    NO_GPU, ROUNDING_NS, limit_change_figures, nvml_mismatches, on_one_clock, report, serial_overlap_ns,
-    session_figures, table,
+    NO_GPU,
+    ROUNDING_NS,
+    limit_change_figures,
+    nvml_mismatches,
+    on_one_clock,
+    report,
+    serial_overlap_ns,
+    session_figures,
+    table,
 )
 from gpu_workers import GpuWorkerSpec, calibrate, run_workers
 from harness import progress
 from quota_accuracy import BASELINE, LIMIT_NAME, LIMIT_UPDATE, NEVER, SCENARIOS, STOP_MARGIN_NS, UNLIMITED, Scenario
 from quota_workers import MeasurementError, next_boundary, sleep_until, window_origin_ns
-
-import msgspec
-
-from gpud.spawn import DaemonProcess
-from gpud_client import Client
 
 SHARE_SCENARIOS = ("single-25", "single-50", "single-75", "mix-25+75", "mix-30+60", "concurrent-50", BASELINE)
 SERIAL_SLACK_NS = ROUNDING_NS  # elapsed_time's float32 rounding, beyond the anchors' own uncertainty

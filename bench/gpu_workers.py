@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
+from gpud_client import Client
+
 from gpu_timeline import Anchor, best_bracket
 from quota_workers import MeasurementError, receive
-
-from gpud_client import Client
 
 ANCHOR_TRIES = 5
 WARMUP_KERNELS = 3

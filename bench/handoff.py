@@ -88,6 +88,7 @@ from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
+
 from floor import relay_main, start_relay, trio_relay_main  # bench/, on the path when run as a script
 from harness import Run, progress
 from percentiles import percentile

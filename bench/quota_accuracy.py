@@ -82,15 +82,24 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from quota_workers import (
-    MeasurementError, WorkerSpec, check_serial, clipped_ns, cold_code_ns, gaps_in_holds_ns, next_boundary, receive,
-    sleep_until, start_worker, window_origin_ns,
-)
-from harness import Run, machine_line, progress
-from simgpu import SimGpu, busy_ns, gpu_time_ns
-
 from gpud.spawn import DaemonProcess
 from gpud_client import Client
+
+from harness import Run, machine_line, progress
+from quota_workers import (
+    MeasurementError,
+    WorkerSpec,
+    check_serial,
+    clipped_ns,
+    cold_code_ns,
+    gaps_in_holds_ns,
+    next_boundary,
+    receive,
+    sleep_until,
+    start_worker,
+    window_origin_ns,
+)
+from simgpu import SimGpu, busy_ns, gpu_time_ns
 
 UNLIMITED = 100
 BASELINE = "unlimited-alone"

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from simgpu import Kernels
-
 from gpud_client import Client
+
+from simgpu import Kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +183,6 @@ def gaps_in_holds_ns(r: dict[str, Any], a: int, b: int) -> int:
 def check_serial(reports: list[dict[str, Any]]) -> None:
     """On a serial GPU the kernels of all sessions never overlap."""
     spans = sorted((s, e, i) for i, r in enumerate(reports) for s, e in zip(r["starts"], r["ends"]))
-    for (s0, e0, i0), (s1, _, i1) in zip(spans, spans[1:]):
+    for (_, e0, i0), (s1, _, i1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise MeasurementError(f"session {i1} ran a kernel at {s1} ns while session {i0} ran until {e0} ns")

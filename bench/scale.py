@@ -82,14 +82,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
-from harness import Run, machine_line, progress
-from percentiles import percentile
-
 from gpud.main import SLOW_TURN_ENV
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
+
+from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
+from harness import Run, machine_line, progress
+from percentiles import percentile
 
 PER_CONNECTION = 1000  # idle sessions (or queued leases) on one connection
 ANSWER_TIMEOUT_S = 60.0  # one answer; a batch of attaches on a large daemon takes a while

@@ -89,6 +89,7 @@ from typing import Any
 
 from gpud.spawn import DaemonProcess
 from gpud_client import Client, ErrorCode, ProtocolError
+
 from percentiles import percentile  # bench/, on the path when run as a script
 
 SIMULATE = "8x16GiB"

@@ -14,8 +14,8 @@ import structlog
 
 from gpud.config import Config
 from gpud.core.authority import PriorityRules, check_priority, lease_priority, priority_ceiling
-from gpud.core.leases import LeasePolicy
 from gpud.core.errors import Refused
+from gpud.core.leases import LeasePolicy
 from gpud.state import ClientLink
 from gpud_client import protocol as p
 

@@ -5,7 +5,6 @@ Each needs admin rights (``Access``) and applies to one GPU or to all of them.
 
 from __future__ import annotations
 
-
 import structlog
 
 from gpud.access import Access

@@ -21,6 +21,7 @@ import structlog
 
 from gpud.config import Config
 from gpud.core.authority import Members, check_may_free, check_task_owner, check_tenant, owning_allocation
+from gpud.core.errors import Refused
 from gpud.core.ledger import (
     UNIT,
     Allocation,
@@ -35,13 +36,11 @@ from gpud.core.ledger import (
     TenantQuota,
     to_fixed,
 )
-from gpud.core.errors import Refused
 from gpud.faults import Faults
 from gpud.parts import Part, Pieces
-from gpud.store import Store, StoreError
 from gpud.state import ClientLink, Handler
+from gpud.store import Store, StoreError
 from gpud_client import protocol as p
-
 
 log = structlog.get_logger(__name__)
 

@@ -20,14 +20,13 @@ from dataclasses import dataclass, replace
 import structlog
 
 from gpud.config import Config
+from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Revoke
-from gpud.core.errors import Refused
 from gpud.metrics import Metrics
 from gpud.parts import Part, Pieces
 from gpud.state import ClientLink, Handler
 from gpud_client import protocol as p
-
 
 log = structlog.get_logger(__name__)
 

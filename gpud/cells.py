@@ -20,10 +20,8 @@ from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.metrics_core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
-)
 from prometheus_client.utils import floatToGoString
 
 C = TypeVar("C")

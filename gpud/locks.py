@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from gpud.core.authority import fraction_ceilings
+from gpud.core.errors import Refused
 from gpud.core.ledger import Allocation
 from gpud.core.scheduler import Drop, Grant, MemOverLimit, Revoke
-from gpud.core.errors import Refused
 from gpud.logging import debug
 from gpud.metrics import Metrics, session_labels
 from gpud.parts import Part, Pieces

@@ -15,13 +15,12 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry, start_http_server
 
-from gpud import __version__
+from gpud import __version__, lockfile, systemd
 from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_metrics_addr, read_environment, read_file
 from gpud.devices import Gpu, discover
+from gpud.listener import open_listener, serve
 from gpud.logging import configure_logging
 from gpud.metrics import Metrics
-from gpud import lockfile, systemd
-from gpud.listener import open_listener, serve
 from gpud.server import Daemon
 
 log = structlog.get_logger(__name__)

@@ -19,7 +19,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gpud.cells import CounterCells, GaugeCells, HistogramCells
-
 from gpud_client import protocol as p
 
 # Label values of the daemon's own counters, created up front.

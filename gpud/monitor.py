@@ -32,7 +32,6 @@ from gpud.effects import Effects
 from gpud.metrics import session_labels
 from gpud.server import Daemon
 
-
 log = structlog.get_logger(__name__)
 _DONE = object()
 

@@ -32,9 +32,9 @@ from gpud.admin import Admin
 from gpud.allocator import Allocator
 from gpud.arbiter import Arbiter
 from gpud.config import Config
+from gpud.core.errors import Refused
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import GpuScheduler, SchedulerConfig
-from gpud.core.errors import Refused
 from gpud.devices import Gpu
 from gpud.effects import Effects
 from gpud.faults import Faults

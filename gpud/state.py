@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import trio
 
+from gpud.core.errors import Refused
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.scheduler import GpuScheduler
-from gpud.core.errors import Refused
 from gpud.devices import Gpu
 from gpud_client import protocol as p
 

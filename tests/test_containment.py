@@ -26,8 +26,8 @@ import gpud.allocator
 import gpud.listener
 import gpud.monitor
 from gpud.config import Config
-from gpud.core.scheduler import Grant
 from gpud.core.errors import Inconsistent
+from gpud.core.scheduler import Grant
 from gpud.devices import Gpu, Reading, simulated_gpus
 from gpud.listener import open_listener, serve
 from gpud.metrics import Metrics

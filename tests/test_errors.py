@@ -10,7 +10,13 @@ import pytest
 
 from gpud_client import errors, protocol
 from gpud_client.errors import (
-    DaemonUnavailable, GpudError, LockLost, MemoryLimitExceeded, PermissionDenied, ProtocolError, error_from,
+    DaemonUnavailable,
+    GpudError,
+    LockLost,
+    MemoryLimitExceeded,
+    PermissionDenied,
+    ProtocolError,
+    error_from,
 )
 from gpud_client.protocol import ErrorCode, FrameTooLarge
 

@@ -41,8 +41,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from gpud.config import Config, TenantConfig
-from gpud.core.ledger import UNIT
 from gpud.core.errors import Refused
+from gpud.core.ledger import UNIT
 from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
 from gpud.metrics import FAULT_PLACES, Metrics

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+from core.statecheck import state_of  # tests/ is on the path of its top-level modules
 from prometheus_client import CollectorRegistry
 
 from gpud.config import Config
@@ -32,8 +33,6 @@ from gpud.server import Daemon
 from gpud.state import ClientLink
 from gpud.store import BUSY_TIMEOUT_MS, Store, StoreError
 from gpud_client import protocol as p
-
-from core.statecheck import state_of  # tests/ is on the path of its top-level modules
 
 
 def alloc(task: str, gpu: int = 0) -> Allocation:

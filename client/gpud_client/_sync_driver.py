@@ -25,7 +25,17 @@ from gpud_client._base import ClientBase
 from gpud_client.connection import Connection
 from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
 from gpud_client.core.actions import (
-    Action, ApplyMemoryLimit, ArmIdle, CallOnDrop, CallOnLost, GiveBack, Hook, Log, Resolve, Send, Wake,
+    Action,
+    ApplyMemoryLimit,
+    ArmIdle,
+    CallOnDrop,
+    CallOnLost,
+    GiveBack,
+    Hook,
+    Log,
+    Resolve,
+    Send,
+    Wake,
 )
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.frameworks import cap_memory, read_memory

@@ -31,6 +31,7 @@ from gpud_client.core.messages import acquire_msg, acquire_timeout, allocate_msg
 from gpud_client.errors import LockLost
 from gpud_client.frameworks import default_memory_cap, default_memory_probe
 
+
 class _Slice:
     """``Session.slice``'s context: a class, not a generator, because a slice's entry and exit run
     between every two kernels while the lock is held, and every microsecond there is billed GPU time."""

@@ -106,7 +106,7 @@ class Connection:
                     self.sock.settimeout(timeout)
                     self._timeout = timeout
                 data = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"no message from gpud within {timeout} s") from None
             except OSError as exc:
                 raise DaemonUnavailable(f"lost connection to gpud at {self.path}: {exc}") from None
@@ -121,7 +121,7 @@ class Connection:
         by a cap, a missed HELLO deadline), raises that ERROR: it is why the daemon closed."""
         since = len(self._backlog)
         self.send(msg)
-        rid = getattr(msg, "id")
+        rid = getattr(msg, "id")  # noqa: B009 - any request Struct: the base type names no field
         while True:
             try:
                 reply = self._recv(timeout)

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy
 from gpud.core.ledger import UNIT, Allocation
-from gpud.core.errors import Refused
 from gpud_client.protocol import ErrorCode
 
 ADMIN_PRIORITY = 100

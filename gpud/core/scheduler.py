@@ -55,8 +55,8 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from gpud.core.quota import ComputeAccounts, QuotaConfig
 from gpud.core.errors import Inconsistent, LimitReached, Refused
+from gpud.core.quota import ComputeAccounts, QuotaConfig
 from gpud.core.snapshots import HolderView, SchedulerView, SessionState, SessionView, WaiterView
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode, RevokeReason
 

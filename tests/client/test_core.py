@@ -205,7 +205,7 @@ class Script:
         return {pending[a.id].session: a for a in attaches}  # type: ignore[misc]
 
     def answer_reattach(self) -> None:
-        for s, attach in self.reattach().items():
+        for attach in self.reattach().values():
             self.push(self.attached(attach))
 
     def grant(self, s: SessionState) -> int:

@@ -11,20 +11,20 @@ import pytest
 from gpud.core.authority import (
     ADMIN_PRIORITY,
     Members,
+    PriorityRules,
     check_may_free,
+    check_priority,
     check_task_owner,
     check_tenant,
-    PriorityRules,
-    check_priority,
     fraction_ceilings,
     lease_priority,
     owning_allocation,
     priority_ceiling,
 )
-from gpud.core.ledger import UNIT, Allocation
-from gpud.core.leases import LeasePolicy, resolve_terms
-from gpud.core.scheduler import GpuScheduler, SchedulerConfig
 from gpud.core.errors import Refused
+from gpud.core.leases import LeasePolicy, resolve_terms
+from gpud.core.ledger import UNIT, Allocation
+from gpud.core.scheduler import GpuScheduler, SchedulerConfig
 from gpud_client.protocol import BusyPolicy, ErrorCode
 
 from .statecheck import state_of

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.core.leases import DEFAULT_POLICIES, LeasePolicy, refusal_status, resolve_terms
-from gpud.core.scheduler import Drop, Grant, GpuScheduler, HoldOverdue, LeaseDenied, Revoke, SchedulerConfig
 from gpud.core.errors import Refused
+from gpud.core.leases import DEFAULT_POLICIES, LeasePolicy, refusal_status, resolve_terms
+from gpud.core.scheduler import Drop, GpuScheduler, Grant, HoldOverdue, LeaseDenied, Revoke, SchedulerConfig
 from gpud_client.protocol import BusyPolicy, DropReason, LeaseReason, LeaseStatus, Mode, RevokeReason
 
 from .statecheck import state_of

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.core.ledger import UNIT, Expired, GpuSpec, Insufficient, Ledger, Request, Served, TenantQuota
 from gpud.core.errors import Refused
+from gpud.core.ledger import UNIT, Expired, GpuSpec, Insufficient, Ledger, Request, Served, TenantQuota
 from gpud_client.protocol import ErrorCode, Strategy
 
 from .statecheck import state_of

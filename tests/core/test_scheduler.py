@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import Drop, Grant, GpuScheduler, LeaseDenied, Revoke, SchedulerConfig
 from gpud.core.errors import Refused
+from gpud.core.quota import QuotaConfig
+from gpud.core.scheduler import Drop, GpuScheduler, Grant, LeaseDenied, Revoke, SchedulerConfig
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, RevokeReason
 
 from .statecheck import state_of

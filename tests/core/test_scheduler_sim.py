@@ -13,9 +13,19 @@ from collections.abc import Callable
 
 import pytest
 
-from gpud.core.quota import QuotaConfig
-from gpud.core.scheduler import Drop, Effect, Grant, GpuScheduler, HoldOverdue, LeaseDenied, MemOverLimit, Revoke, SchedulerConfig
 from gpud.core.errors import Refused
+from gpud.core.quota import QuotaConfig
+from gpud.core.scheduler import (
+    Drop,
+    Effect,
+    GpuScheduler,
+    Grant,
+    HoldOverdue,
+    LeaseDenied,
+    MemOverLimit,
+    Revoke,
+    SchedulerConfig,
+)
 from gpud_client.protocol import DropReason, Mode
 
 from .statecheck import state_of

@@ -9,12 +9,11 @@ so the event loop keeps going meanwhile.
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 

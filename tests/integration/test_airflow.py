@@ -35,9 +35,8 @@ if importlib.util.find_spec("airflow") is None:
     pytest.skip("Airflow is not installed: `pip install -e './client[airflow]'` (make test does); "
                 "skipped only where Airflow cannot be installed", allow_module_level=True)
 
-from gpud_client import Client
-
 from gpud.spawn import DaemonProcess
+from gpud_client import Client
 
 from . import waiting
 

@@ -28,8 +28,8 @@ import pytest
 
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
-from gpud_client.errors import ProtocolError
 from gpud_client.connection import Connection
+from gpud_client.errors import ProtocolError
 
 from .waiting import eventually
 from .wire import NOBODY, attach, connect, expect

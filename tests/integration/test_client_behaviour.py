@@ -28,8 +28,15 @@ from typing import Any
 import pytest
 
 from gpud.spawn import DaemonProcess
-from gpud_client import DaemonUnavailable, DropReason, ErrorCode, GpudError, LockLost, MemoryLimitExceeded
-from gpud_client import ProtocolError
+from gpud_client import (
+    DaemonUnavailable,
+    DropReason,
+    ErrorCode,
+    GpudError,
+    LockLost,
+    MemoryLimitExceeded,
+    ProtocolError,
+)
 from gpud_client import protocol as p
 
 from .drivers import KINDS, Driver, Gate, Kind

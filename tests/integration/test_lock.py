@@ -14,7 +14,18 @@ from pathlib import Path
 from gpud.spawn import DaemonProcess
 from gpud_client import protocol as p
 
-from .wire import NOBODY, as_nobody, attach, connect, expect, gpu_status, nothing_arrives, request, take_lock, wait_queue
+from .wire import (
+    NOBODY,
+    as_nobody,
+    attach,
+    connect,
+    expect,
+    gpu_status,
+    nothing_arrives,
+    request,
+    take_lock,
+    wait_queue,
+)
 
 
 def test_fifo_grants_and_immediate_handoff(daemon: DaemonProcess) -> None:

@@ -26,7 +26,6 @@ from gpud_client.ray import current_sessions, gpud_task  # noqa: E402
 from .test_ray import allocations  # noqa: E402
 from .waiting import eventually  # noqa: E402
 
-
 # --- two nodes --------------------------------------------------------------------------------------
 
 

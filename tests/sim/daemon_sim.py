@@ -95,9 +95,9 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from gpud.config import Config, PolicyConfig, TenantConfig
+from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient
-from gpud.core.errors import Refused
 from gpud.devices import simulated_gpus
 from gpud.listener import handle_payload
 from gpud.metrics import Metrics
@@ -1459,7 +1459,7 @@ class World:
             try:
                 for _ in range(2):
                     self.do_connect()
-                for self.step_no in range(1, self.steps + 1):
+                for self.step_no in range(1, self.steps + 1):  # noqa: B020 - the step number is state the trace reads
                     step = self.rng.choices(names, weights)[0]
                     getattr(self, "do_" + step)()
                     if self.step_no % 50 == 0:

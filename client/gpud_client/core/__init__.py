@@ -8,7 +8,7 @@ checks the imports).
 
 from gpud_client.core.actions import reconnect_delay
 from gpud_client.core.client import ClientCore
-from gpud_client.core.slices import HOLD, UNARBITRATED
 from gpud_client.core.session import SessionState
+from gpud_client.core.slices import HOLD, UNARBITRATED
 
 __all__ = ["HOLD", "UNARBITRATED", "ClientCore", "SessionState", "reconnect_delay"]

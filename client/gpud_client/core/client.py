@@ -21,7 +21,16 @@ from typing import Any, assert_never
 
 from gpud_client import protocol as p
 from gpud_client.core.actions import (
-    WAKE, Action, ApplyMemoryLimit, CallOnDrop, CallOnLost, GiveBack, Level, Log, Resolve, Send,
+    WAKE,
+    Action,
+    ApplyMemoryLimit,
+    CallOnDrop,
+    CallOnLost,
+    GiveBack,
+    Level,
+    Log,
+    Resolve,
+    Send,
 )
 from gpud_client.core.requests import Requests, unavailable
 from gpud_client.core.session import SessionState

@@ -21,13 +21,9 @@ from typing import Any
 import msgspec
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import dag, get_current_context, task
+
 from gpud_client import Client, PermissionDenied
-from gpud_client.airflow import (
-    XCOM_KEY,
-    GpuResourcesMixin,
-    current_allocation,
-    gpu_resources,
-)
+from gpud_client.airflow import XCOM_KEY, GpuResourcesMixin, current_allocation, gpu_resources
 
 REAPING = os.environ.get("GPUD_TEST_REAPING_SOCKET")
 DEADLINE_S = 90  # no test task outlives this, even if its test died
