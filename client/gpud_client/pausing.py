@@ -104,6 +104,8 @@ class PausableSlice(Slices):
         for s, hook in zip(self.sessions, self._hooks):
             s.on_drop = self._told(hook)
         self._active = True
+        if any(s.drop_pending is not None for s in self.sessions):
+            self._ask()  # a drop that came with the grant, before its hook was ours
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -185,3 +185,13 @@ def test_each_pause_drains_the_gpu_work_on_the_bodys_own_thread(gpud: DaemonProc
         with PausableSlice([s]) as body:
             long_body(1.5)
     assert body.pauses >= 1 and synced[: body.pauses] == [(0, True)] * body.pauses
+
+
+def test_a_drop_that_came_before_the_body_began_is_answered_too() -> None:
+    s = _FakeSession()
+    s.redrop = 0
+    s.on_drop = lambda reason: None
+    s.drop_pending = "tq"  # asked to yield between the grant and the body's first bytecode
+    with PausableSlice([s]) as body:  # type: ignore[list-item]
+        eventually(lambda: body.pauses == 1 and s.drop_pending is None, "the drop answered",
+                   why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}")
