@@ -42,7 +42,7 @@ $(STAMP): $(BASE)
 	touch $(STAMP)
 
 demo: $(BASE)
-	$(VENV)/bin/python -m gpud.demo
+	$(VENV)/bin/python -m gpud.tools.demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -60,7 +60,7 @@ from typing import Any
 
 import msgspec
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError

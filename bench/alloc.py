@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 

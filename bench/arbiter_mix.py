@@ -78,7 +78,7 @@ from typing import Any
 
 import gpud
 import gpud_client
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 
 from arbiter_stats import MeasurementError, mode_figures, phase_figures
 from arbiter_workers import Gate, Stream, cycle_worker, flood_worker, schedule, service_worker

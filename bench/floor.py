@@ -10,7 +10,7 @@ once, in ``_Floor``; the relays differ only in how bytes come and go:
   What any Python daemon must pay for a socket round trip and a decode/encode.
 - ``TrioRelay``, the trio floor: a trio socket listener, one task per
   connection reading with ``os.read`` and awaiting ``trio.lowlevel.wait_readable``
-  when a read finds nothing or nothing was sent it (gpud's own read loop, ``gpud/listener.py``),
+  when a read finds nothing or nothing was sent it (gpud's own read loop, ``gpud/serving/listener.py``),
   and writing with ``os.write`` on the socket's descriptor, as gpud does. What
   any daemon on trio must pay: gpud over it is gpud's own cost, and the trio
   floor over the floor is trio's per-wakeup cost.

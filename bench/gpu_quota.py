@@ -64,7 +64,7 @@ from typing import Any
 
 import msgspec
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 
 from gpu_timeline import (
@@ -151,7 +151,7 @@ def torch_missing() -> str | None:
 def gpuctl(path: str, *args: str) -> tuple[int, int, str]:
     """Run gpuctl: (launch, return) monotonic ns and its output."""
     t0 = time.monotonic_ns()
-    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", path, *args],
+    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args],
                          capture_output=True, text=True, timeout=30)
     t1 = time.monotonic_ns()
     if out.returncode != 0:

@@ -84,7 +84,7 @@ from multiprocessing.connection import Connection as Pipe
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError

@@ -82,7 +82,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 
 from harness import Run, machine_line, progress
@@ -330,7 +330,7 @@ def relative_to_baseline(scenarios: list[dict[str, Any]], alone: float) -> None:
 def _gpuctl(path: str, *args: str) -> tuple[int, int]:
     """Run gpuctl; (launch, return) monotonic ns."""
     t0 = time.monotonic_ns()
-    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", path, *args],
+    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args],
                          capture_output=True, text=True, timeout=30)
     t1 = time.monotonic_ns()
     if out.returncode != 0:

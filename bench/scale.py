@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpud.main import SLOW_TURN_ENV
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 

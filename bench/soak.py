@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, ErrorCode, ProtocolError
 
 from percentiles import percentile  # bench/, on the path when run as a script

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client.ray import gpud_actor, gpud_slice, gpud_task
 

@@ -15,13 +15,22 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry, start_http_server
 
-from gpud import __version__, lockfile, systemd
-from gpud.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build, parse_metrics_addr, read_environment, read_file
-from gpud.devices import Gpu, discover
-from gpud.listener import open_listener, serve
-from gpud.logging import configure_logging
-from gpud.metrics import Metrics
-from gpud.server import Daemon
+from gpud import __version__
+from gpud.host import lockfile, systemd
+from gpud.host.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    build,
+    parse_metrics_addr,
+    read_environment,
+    read_file,
+)
+from gpud.host.devices import Gpu, discover
+from gpud.host.logging import configure_logging
+from gpud.host.metrics import Metrics
+from gpud.serving.listener import open_listener, serve
+from gpud.serving.server import Daemon
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +114,7 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
         try:
             await _serve(daemon, config, registry, reload_config)
         finally:
-            daemon.allocator.store.close()  # after the last write: every request is refused by now
+            daemon.allocations.store.close()  # after the last write: every request is refused by now
         clean = True
     finally:
         state.release(clean=clean)

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 
 TESTS = Path(__file__).parent
 TIERS = {"core": "core", "client": "core", "integration": "integration",

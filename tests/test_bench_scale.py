@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from gpud import config
+from gpud.host import config
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 

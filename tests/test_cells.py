@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gpud.cells import CounterCells, GaugeCells, HistogramCells
+from gpud.host.cells import CounterCells, GaugeCells, HistogramCells
 
 BUCKETS = (0.001, 0.01, 0.1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.config import ConfigError, build, load, parse_metrics_addr, read_environment, read_file
+from gpud.host.config import ConfigError, build, load, parse_metrics_addr, read_environment, read_file
 from gpud_client.protocol import Mode
 
 
@@ -88,7 +88,7 @@ def test_the_daemon_refuses_to_start_on_a_bad_value(tmp_path: Path) -> None:
 def test_a_reload_takes_only_the_settings_whose_loaded_value_changed() -> None:
     from gpud.core.quota import QuotaConfig
     from gpud.core.scheduler import SchedulerConfig
-    from gpud.server import take_changes
+    from gpud.serving.server import take_changes
 
     loaded = SchedulerConfig(tq_us=30_000_000, mode=Mode.AUTO, quota=QuotaConfig(window_us=2_000_000))
     running = replace(loaded, tq_us=7_000_000, mode=Mode.SERIAL)  # gpuctl tq 7, gpuctl mode serial

@@ -22,18 +22,17 @@ import trio
 from prometheus_client import CollectorRegistry
 from trio.testing import wait_all_tasks_blocked
 
-import gpud.allocator
-import gpud.listener
-import gpud.monitor
-from gpud.config import Config
+import gpud.capabilities.allocations
+import gpud.serving.monitor
 from gpud.core.errors import Inconsistent
 from gpud.core.scheduler import Grant
-from gpud.devices import Gpu, Reading, simulated_gpus
-from gpud.listener import open_listener, serve
-from gpud.metrics import Metrics
-from gpud.monitor import run_monitor
-from gpud.server import Daemon
-from gpud.state import now_us
+from gpud.host.config import Config
+from gpud.host.devices import Gpu, Reading, simulated_gpus
+from gpud.host.metrics import Metrics
+from gpud.serving.listener import open_listener, serve
+from gpud.serving.monitor import run_monitor
+from gpud.serving.server import Daemon
+from gpud.serving.state import now_us
 from gpud_client import protocol as p
 
 
@@ -103,7 +102,7 @@ async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
     try:
         yield Node(daemon, registry, config.socket)
     finally:
-        daemon.allocator.store.close()
+        daemon.allocations.store.close()
 
 
 async def lock(peer: Peer, gpu: int = 0) -> tuple[int, int]:
@@ -183,7 +182,7 @@ async def test_a_fault_in_a_closing_connections_cleanup_is_logged_and_the_daemon
 ) -> None:
     peer = await Peer.connect(node, "leaver")
     await lock(peer)
-    monkeypatch.setattr(node.daemon.arbiter, "connection_closed", raising(ExceptionGroup("cleanup", [OSError(5)])))
+    monkeypatch.setattr(node.daemon.leases, "connection_closed", raising(ExceptionGroup("cleanup", [OSError(5)])))
     peer.sock.close()
     await wait_all_tasks_blocked()  # the daemon has seen the close and cleaned up
     assert node.faults("close") >= 1
@@ -249,11 +248,11 @@ async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
     dead = [os.getpid() + 10**6 + i for i in range(2)]  # above any live pid here, within pid_max
     for i, pid in enumerate(dead):
         assert isinstance(await peer.call(p.Allocate(id=0, task_id=f"t{i}", gpus=0.25, owner_pid=pid)), p.Allocated)
-    real_alive = gpud.allocator._alive
-    monkeypatch.setattr(gpud.allocator, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0)
-    node.daemon.allocator.reap(now_us())
+    real_alive = gpud.capabilities.allocations._alive
+    monkeypatch.setattr(gpud.capabilities.allocations, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0)
+    node.daemon.allocations.reap(now_us())
     assert node.faults("reaper") == 1
-    assert [a.task_id for a in node.daemon.allocator.ledger.allocations()] == ["t0"]
+    assert [a.task_id for a in node.daemon.allocations.ledger.allocations()] == ["t0"]
 
 
 async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,7 +268,7 @@ async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: p
                 trio.from_thread.run_sync(sampled_thrice.set)
             return Reading(index=gpu.index, healthy=True)
 
-    real_publish = gpud.monitor.publish
+    real_publish = gpud.serving.monitor.publish
     failed: list[int] = []
 
     def publish(daemon: Daemon) -> None:
@@ -278,7 +277,7 @@ async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: p
             raise RuntimeError("a gauge refresh that fails")
         real_publish(daemon)
 
-    monkeypatch.setattr(gpud.monitor, "publish", publish)
+    monkeypatch.setattr(gpud.serving.monitor, "publish", publish)
     node.daemon.config = msgspec.structs.replace(node.daemon.config, monitor_interval_s=0.05)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_monitor, node.daemon, Flaky())  # type: ignore[arg-type]
@@ -305,11 +304,11 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
             peer = await Peer.connect(Node(daemon, CollectorRegistry(), config.socket))
             await peer.send(p.Attach(id=1, gpu=0))
             await trio.sleep_forever()
-    daemon.allocator.store.close()
+    daemon.allocations.store.close()
 
 
 async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None:
-    from gpud.monitor import publish
+    from gpud.serving.monitor import publish
 
     def series(session: int) -> int:
         return sum(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from structlog.testing import capture_logs
 
-from gpud.devices import DEFAULT_SIMULATION, discover, simulated_gpus
+from gpud.host.devices import DEFAULT_SIMULATION, discover, simulated_gpus
 
 
 class FakeNvml:

@@ -8,14 +8,14 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gpud.config import Config
 from gpud.core.scheduler import GpuScheduler
-from gpud.devices import simulated_gpus
-from gpud.effects import Effects
-from gpud.faults import Faults
-from gpud.metrics import Metrics
-from gpud.server import scheduler_config
-from gpud.state import GpuSlot
+from gpud.host.config import Config
+from gpud.host.devices import simulated_gpus
+from gpud.host.metrics import Metrics
+from gpud.serving.effects import Effects
+from gpud.serving.faults import Faults
+from gpud.serving.server import scheduler_config
+from gpud.serving.state import GpuSlot
 
 
 @dataclass(frozen=True)

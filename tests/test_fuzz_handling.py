@@ -40,17 +40,17 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gpud.config import Config, TenantConfig
 from gpud.core.errors import Refused
 from gpud.core.ledger import UNIT
-from gpud.devices import simulated_gpus
-from gpud.listener import handle_payload
-from gpud.metrics import FAULT_PLACES, Metrics
-from gpud.server import Daemon
+from gpud.host.config import Config, TenantConfig
+from gpud.host.devices import simulated_gpus
+from gpud.host.metrics import FAULT_PLACES, Metrics
+from gpud.serving.connections import handle_payload
+from gpud.serving.server import Daemon
 from gpud_client import protocol as p
 
 if TYPE_CHECKING:
-    from gpud.state import ClientLink
+    from gpud.serving.state import ClientLink
 
 GIB = 2**30
 MAX_PEERS = 4
@@ -139,7 +139,7 @@ class Fuzz:
         self.registry = CollectorRegistry()
         self.daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(self.registry), clock=clock)
         assert self.daemon.started_at == clock.us, "the fake clock is not the daemon's"
-        self.daemon.allocator.ledger._rng.seed(0)  # the "random" strategy's choices, the same every run
+        self.daemon.allocations.ledger._rng.seed(0)  # the "random" strategy's choices, the same every run
         self.peers: list[Peer] = []
         self.closed: list[Peer] = []
         self.sessions: set[int] = set()
@@ -289,14 +289,14 @@ class Fuzz:
         """The grant the session holds (as its LOCK_OK said), a stale or made-up one, or none."""
         current: list[int | None] = []
         gpu = peer.conn.sessions.get(sid)
-        if gpu is not None and not self.daemon.arbiter.owns(sid):
+        if gpu is not None and not self.daemon.leases.owns(sid):
             held = self.daemon.slots[gpu].scheduler.session(sid, self.clock()).grant
             current = [held, held - 1] if held > 1 else [held] if held else []
         return self.choose("grant", self.grants, current + [None, 1, 2**63 - 1])
 
     def next_call(self, peer: Peer, rid: int) -> msgspec.Struct | None:
         """What a well-behaved client does next with one of its sessions (None: it has none)."""
-        sessions = sorted(s for s in peer.conn.sessions if not self.daemon.arbiter.owns(s))
+        sessions = sorted(s for s in peer.conn.sessions if not self.daemon.leases.owns(s))
         if not sessions or self.draw(st.sampled_from([False, False, True]), "one more session"):
             return None
         sid = self.draw(st.sampled_from(sessions), "own session")
@@ -369,7 +369,7 @@ class Fuzz:
                     mem_estimate=self.maybe("mem_estimate", MEMORY[1:]), trace=trace,
                 )  # fmt: skip
             case "RELEASE":
-                lease = self.choose("lease_id", self.leases | set(self.daemon.arbiter.by_id), ["nope", "abc-1"])
+                lease = self.choose("lease_id", self.leases | set(self.daemon.leases.by_id), ["nope", "abc-1"])
                 return p.Release(**ids, lease_id=lease, quiet=d(st.booleans(), "quiet"))
             case "REPORT_OOM":
                 return p.ReportOom(**ids, gpu=self.gpu(), task_type=d(st.sampled_from(TASK_TYPES), "task_type"))
@@ -495,9 +495,9 @@ class Fuzz:
             slot = d.slots[self.draw(st.integers(0, len(d.slots) - 1), "gpu")]
             d.effects.carry_out(slot.scheduler.advance(now), now, slot)
         elif kind == "allocator":
-            d.allocator.advance(now)
+            d.allocations.advance(now)
             if self.draw(st.booleans(), "reap"):
-                d.allocator.reap(now)
+                d.allocations.reap(now)
         else:
             self.clock.us += self.draw(st.sampled_from(SLEEPS_US), "time passes (us)")
 
@@ -519,7 +519,7 @@ class Fuzz:
                     sched.session(sid, now)
                 except Refused:
                     raise AssertionError(f"session {sid} of client {conn.client_id} is not on GPU {gpu}") from None
-                if d.arbiter.owns(sid):
+                if d.leases.owns(sid):
                     assert sid in sched.holders() or sid in sched.queue(), f"lease {sid} neither holds nor waits"
         owned_per_gpu: Counter[int] = Counter()
         for sid, conn in d.links.owners.items():
@@ -539,7 +539,7 @@ class Fuzz:
         assert not faults, f"faults counted: {faults}"
 
     def check_arbiter(self, open_conns: dict[int, ClientLink]) -> None:
-        arb = self.daemon.arbiter
+        arb = self.daemon.leases
         assert set(arb.by_id) == {r.lease_id for r in arb.by_sid.values()}
         waiting = 0
         for sid, rec in arb.by_sid.items():
@@ -554,7 +554,7 @@ class Fuzz:
         assert sum(gauges) == waiting, f"gpud_arbiter_queue_length sums to {sum(gauges)}, {waiting} leases wait"
 
     def check_allocator(self, open_conns: dict[int, ClientLink]) -> None:
-        alloc = self.daemon.allocator
+        alloc = self.daemon.allocations
         led = alloc.ledger
         for slot in self.daemon.slots:
             g = slot.gpu.index
@@ -578,7 +578,7 @@ class Fuzz:
         for peer in list(self.peers):
             self.close(peer)
         self.check()
-        assert not self.daemon.links.owners and not self.daemon.arbiter.by_sid and not self.daemon.allocator.waiters
+        assert not self.daemon.links.owners and not self.daemon.leases.by_sid and not self.daemon.allocations.waiters
         for slot in self.daemon.slots:
             assert slot.scheduler.view(self.clock()).sessions == 0
         faults = {s.labels["where"]: s.value for f in self.registry.collect() if f.name == "gpud_faults"
@@ -591,7 +591,7 @@ class Fuzz:
             peer.daemon_end.close()
             if peer.client_end is not None:
                 peer.client_end.close()
-        self.daemon.allocator.store.close()
+        self.daemon.allocations.store.close()
 
 
 def fuzz_config(data: st.DataObject, state_dir: str) -> Config:

@@ -1,5 +1,16 @@
-"""The shell's parts depend one way: no import cycle among gpud's modules, and only
-the entry points import the server that wires the parts together."""
+"""gpud's folders are its architecture, and their imports point one way.
+
+- ``gpud/core``: the rules, pure; imports only the core.
+- ``gpud/host``: what touches the host (config, GPUs, the store, the lock file, systemd,
+  logs, metrics); imports the core and the protocol, never the serving shell or a capability.
+- ``gpud/serving``: connections, timers, the monitor, the daemon that wires the parts, and
+  what they share; only the daemon (``server``) and the tasks that run it import it.
+- ``gpud/capabilities``: one handler per capability; each imports the core, the host and the
+  serving parts, never another capability and never the daemon.
+- ``gpud/tools``: the daemon's clients (gpuctl, top, the demo); they speak the protocol through
+  ``gpud_client`` and import nothing else of gpud.
+- ``gpud/main.py``: the entry point, which may import anything.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +18,49 @@ import ast
 from pathlib import Path
 
 GPUD = Path(__file__).resolve().parent.parent / "gpud"
-# What may import gpud.server: the entry point, the listener it starts, the monitor it runs.
-WIRING = {"gpud.main", "gpud.listener", "gpud.monitor"}
+FOLDERS = {"core", "host", "serving", "capabilities", "tools"}
+# What may import gpud.serving.server: the entry point and the tasks that run the daemon.
+WIRING = {"gpud.main", "gpud.serving.listener", "gpud.serving.connections", "gpud.serving.timers",
+          "gpud.serving.monitor"}
+# What each folder may import of gpud, besides itself (gpud_client is open to all).
+MAY_IMPORT = {
+    "core": set(),
+    "host": {"core"},
+    "serving": {"core", "host", "capabilities"},  # capabilities: only the server (checked below)
+    "capabilities": {"core", "host", "serving"},
+    "tools": set(),
+}
 
 
-def imports_of(path: Path) -> set[str]:
+def module_name(path: Path) -> str:
+    parts = path.relative_to(GPUD.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in GPUD.rglob("*.py")}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
     """Every gpud module ``path`` imports, anywhere in it (functions included)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gpud"):
-            if node.module == "gpud":  # from gpud import lockfile, systemd
-                found |= {f"gpud.{a.name}" for a in node.names if (GPUD / f"{a.name}.py").exists()}
-            else:
-                found.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gpud":
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names} & known  # from gpud.host import store
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("gpud.")}
-    return found
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "gpud"}
+    return found & known
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {f"gpud.{p.stem}": p for p in GPUD.glob("*.py") if p.stem != "__init__"}
-    modules |= {f"gpud.core.{p.stem}": p for p in (GPUD / "core").glob("*.py") if p.stem != "__init__"}
-    return {name: {m for m in imports_of(path) if m in modules} for name, path in modules.items()}
+    known = set(modules())
+    return {name: imports_of(path, known) - {name} for name, path in modules().items()}
+
+
+def folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in FOLDERS else None
 
 
 def cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -54,19 +86,62 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_gpud_is_its_folders_and_the_entry_point() -> None:
+    top = {p.name for p in GPUD.iterdir() if not p.name.startswith(("__pycache__", "."))}
+    assert top == FOLDERS | {"__init__.py", "main.py"}, "a new top-level module: put it in the folder of its role"
+    for name in FOLDERS:
+        assert (GPUD / name / "__init__.py").read_text().startswith('"""'), f"gpud/{name} says what it holds"
+
+
 def test_the_shell_has_no_import_cycle() -> None:
-    assert cycle(graph()) is None, " -> ".join(cycle(graph()) or [])
+    edges = {name: {d for d in deps if folder(d) is not None or d == "gpud.main"} for name, deps in graph().items()}
+    assert cycle(edges) is None, " -> ".join(cycle(edges) or [])
+
+
+def test_each_folder_imports_only_what_its_role_allows() -> None:
+    wrong = []
+    for name, deps in graph().items():
+        own = folder(name)
+        if own is None:
+            continue
+        for dep in deps:
+            other = folder(dep)
+            if other is not None and other != own and other not in MAY_IMPORT[own]:
+                wrong.append(f"{name} imports {dep}")
+            elif other is None and dep != "gpud":
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_daemon_wires_the_capabilities() -> None:
+    wrong = [f"{name} imports {dep}" for name, deps in graph().items() if folder(name) == "serving"
+             for dep in deps if folder(dep) == "capabilities" and name != "gpud.serving.server"]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_capability_imports_another() -> None:
+    wrong = [f"{name} imports {dep}" for name, deps in graph().items() if folder(name) == "capabilities"
+             for dep in deps if folder(dep) == "capabilities" and dep != "gpud.capabilities"]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_only_the_entry_points_import_the_server() -> None:
-    importers = {name for name, deps in graph().items() if "gpud.server" in deps}
-    assert importers <= WIRING, f"{sorted(importers - WIRING)} import gpud.server: give them the pieces they need"
+    importers = {name for name, deps in graph().items() if "gpud.serving.server" in deps}
+    assert importers <= WIRING, f"{sorted(importers - WIRING)} import gpud.serving.server: give them the pieces they need"
 
 
-def test_the_core_imports_nothing_of_the_shell() -> None:
+def test_the_tools_are_clients_of_the_daemon() -> None:
     for name, deps in graph().items():
-        if name.startswith("gpud.core."):
-            assert all(d.startswith("gpud.core.") for d in deps), f"{name} imports {sorted(deps)}"
+        if folder(name) == "tools":
+            assert all(folder(d) == "tools" for d in deps), f"{name} imports {sorted(deps)}: a tool speaks gpud_client"
+
+
+def test_the_checks_see_imports_of_every_form(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("import gpud.host.store\nfrom gpud.serving import links\nfrom gpud.core.errors import Refused\n"
+                   "def f():\n    from gpud.tools.spawn import DaemonProcess\n")
+    known = {"gpud.host.store", "gpud.serving.links", "gpud.serving", "gpud.core.errors", "gpud.tools.spawn"}
+    assert imports_of(src, known) == known
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

@@ -1,4 +1,4 @@
-"""The gauge refresh in bounded pieces (gpud.monitor.publish): at 10 000 sessions one pass must not
+"""The gauge refresh in bounded pieces (gpud.serving.monitor.publish): at 10 000 sessions one pass must not
 hold the event loop, so it works in steps of at most ``sessions`` sessions, the monitor yields to
 the loop between them, and the gauges come out right although sessions come and go in between.
 
@@ -17,13 +17,13 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry
 
-from gpud.config import Config
-from gpud.devices import simulated_gpus
+from gpud.host.config import Config
+from gpud.host.devices import simulated_gpus
+from gpud.host.metrics import Metrics
 from gpud.main import SLOW_TURN_ENV, instruments
-from gpud.metrics import Metrics
-from gpud.monitor import Monitor, publish
-from gpud.server import Daemon
-from gpud.state import ClientLink
+from gpud.serving.monitor import Monitor, publish
+from gpud.serving.server import Daemon
+from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 PER_CONNECTION = 100
@@ -37,7 +37,7 @@ def daemon() -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        d.allocator.store.close()
+        d.allocations.store.close()
 
 
 def client(d: Daemon, pid: int, name: str) -> ClientLink:
@@ -95,7 +95,7 @@ def test_a_refresh_goes_in_bounded_steps_and_the_gauges_come_out_right(
         sessions = {(c.client_id, attach(d, c, i % 2, **({"mem_limit": 2**30} if i < 2 else {}))): (c, i % 2)
                     for c in conns for i in range(PER_CONNECTION)}
         d.handle(conns[0], p.Acquire(id=2, gpu=1, task_type="ASR"))
-        assert any(d.arbiter.owns(sid) for sid in conns[0].sessions)  # a lease: no per-session gauges
+        assert any(d.leases.owns(sid) for sid in conns[0].sessions)  # a lease: no per-session gauges
     ghost = ("0", "999999", "ghost", "1")  # the series of a session gone without them
     d.metrics.node.session_core_limit.labels(*ghost).set(1)
     d.metrics.node.session_children[ghost] = (d.metrics.node.session_core_limit.labels(*ghost),) * 4
@@ -153,7 +153,7 @@ async def test_the_monitor_yields_to_the_loop_between_steps(daemon: Daemon, monk
             for _ in range(PER_CONNECTION):
                 attach(d, conn, 0)
     reads = counting_reads(d, monkeypatch)
-    monkeypatch.setattr("gpud.monitor.REFRESH_SESSIONS", 50)
+    monkeypatch.setattr("gpud.serving.monitor.REFRESH_SESSIONS", 50)
     seen_between: list[int] = []  # sessions read when another task got to run
 
     started = trio.Event()

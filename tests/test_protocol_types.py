@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 
 STRUCTS: list[type[msgspec.Struct]] = sorted(

@@ -23,15 +23,15 @@ import trio
 from core.statecheck import state_of  # tests/ is on the path of its top-level modules
 from prometheus_client import CollectorRegistry
 
-from gpud.config import Config
 from gpud.core.ledger import UNIT, Allocation
-from gpud.devices import simulated_gpus
-from gpud.listener import handle_payload
-from gpud.logging import LineWriter
-from gpud.metrics import Metrics
-from gpud.server import Daemon
-from gpud.state import ClientLink
-from gpud.store import BUSY_TIMEOUT_MS, Store, StoreError
+from gpud.host.config import Config
+from gpud.host.devices import simulated_gpus
+from gpud.host.logging import LineWriter
+from gpud.host.metrics import Metrics
+from gpud.host.store import BUSY_TIMEOUT_MS, Store, StoreError
+from gpud.serving.connections import handle_payload
+from gpud.serving.server import Daemon
+from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 
@@ -123,14 +123,14 @@ class Node:
         self.daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()), clock=lambda: self.us)
         self.codec = p.daemon_codec()
         self.fail = False
-        real = self.daemon.allocator.store.write
+        real = self.daemon.allocations.store.write
 
         def write(*args: Any, **kwargs: Any) -> None:
             if self.fail:
                 raise StoreError("disk I/O error (injected)")
             real(*args, **kwargs)
 
-        self.daemon.allocator.store.write = write  # type: ignore[method-assign]
+        self.daemon.allocations.store.write = write  # type: ignore[method-assign]
 
     def connect(self, name: str) -> ClientLink:
         conn = self.daemon.links.open((os.getpid(), os.getuid(), os.getgid()), frozenset(), -1, trio.CancelScope())
@@ -159,18 +159,18 @@ class Node:
 def node(tmp_path: Path) -> Iterator[Node]:
     n = Node(str(tmp_path / "state"))
     yield n
-    n.daemon.allocator.store.close()
+    n.daemon.allocations.store.close()
 
 
 def test_an_allocation_that_cannot_be_stored_is_refused_and_not_made(node: Node) -> None:
     a = node.connect("a")
-    before = state_of(node.daemon.allocator.ledger)
+    before = state_of(node.daemon.allocations.ledger)
     node.fail = True
     [answer] = node.call(a, p.Allocate(id=5, task_id="job-1", gpus=0.5))
     assert isinstance(answer, p.Error) and answer.id == 5 and answer.code == p.ErrorCode.STORE_FAILED
     assert "task 'job-1' was not allocated: the store could not record it (disk I/O error" in answer.message
-    assert state_of(node.daemon.allocator.ledger) == before
-    assert "job-1" not in node.daemon.allocator.uids and node.stored() == []
+    assert state_of(node.daemon.allocations.ledger) == before
+    assert "job-1" not in node.daemon.allocations.uids and node.stored() == []
     node.fail = False
     [answer] = node.call(a, p.Allocate(id=6, task_id="job-1", gpus=0.5))
     assert isinstance(answer, p.Allocated) and node.stored() == ["job-1"]
@@ -182,19 +182,19 @@ def test_a_free_that_cannot_be_stored_keeps_the_allocation_and_its_waiter_waitin
     a, b = node.connect("a"), node.connect("b")
     assert isinstance(node.call(a, p.Allocate(id=1, task_id="first", gpus=1))[0], p.Allocated)
     assert node.call(b, p.Allocate(id=2, task_id="second", gpus=1, wait_ms=60_000)) == []
-    before = state_of(node.daemon.allocator.ledger)
+    before = state_of(node.daemon.allocations.ledger)
     node.fail = True
     [answer] = node.call(a, p.Free(id=3, task_id="first"))
     assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.STORE_FAILED
     assert "task 'first' was not freed" in answer.message
-    assert state_of(node.daemon.allocator.ledger) == before
-    assert node.received(b) == [] and set(node.daemon.allocator.waiters) == {"second"}
+    assert state_of(node.daemon.allocations.ledger) == before
+    assert node.received(b) == [] and set(node.daemon.allocations.waiters) == {"second"}
     assert node.stored() == ["first"]
     node.fail = False
     assert isinstance(node.call(a, p.Free(id=4, task_id="first"))[0], p.Ok)
     [served] = node.received(b)
     assert isinstance(served, p.Allocated) and served.id == 2 and served.task_id == "second"
-    assert node.stored() == ["second"] and node.daemon.allocator.uids == {"second": os.getuid()}
+    assert node.stored() == ["second"] and node.daemon.allocations.uids == {"second": os.getuid()}
 
 
 def test_a_reset_that_cannot_be_stored_releases_nothing(node: Node) -> None:
@@ -203,7 +203,7 @@ def test_a_reset_that_cannot_be_stored_releases_nothing(node: Node) -> None:
     node.fail = True
     [answer] = node.call(a, p.ResetAllocations(id=2))
     assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.STORE_FAILED
-    assert [al.task_id for al in node.daemon.allocator.ledger.allocations()] == ["x"] and node.stored() == ["x"]
+    assert [al.task_id for al in node.daemon.allocations.ledger.allocations()] == ["x"] and node.stored() == ["x"]
 
 
 def test_locks_and_leases_are_served_while_the_store_fails(node: Node) -> None:

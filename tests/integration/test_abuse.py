@@ -23,7 +23,7 @@ from types import ModuleType
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 QUIET_S = 1.0

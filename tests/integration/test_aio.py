@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import DaemonUnavailable, DropReason, ErrorCode, GpudError, ProtocolError
 from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient, AsyncSession

@@ -35,7 +35,7 @@ if importlib.util.find_spec("airflow") is None:
     pytest.skip("Airflow is not installed: `pip install -e './client[airflow]'` (make test does); "
                 "skipped only where Airflow cannot be installed", allow_module_level=True)
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 
 from . import waiting
@@ -267,7 +267,7 @@ def test_two_tasks_get_different_gpus_and_see_them(af: Airflow, tmp_path: Path) 
         assert r["xcom"] == pushed(alloc)
     assert sorted(r["cuda"] for r in got.values()) == ["0", "1"]
     assert sorted(r["affinity"][0] for r in got.values()) == [0, 1]
-    table = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", af.gpud.socket, "allocs"],
+    table = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", af.gpud.socket, "allocs"],
                            capture_output=True, text=True, check=True).stdout
     for run in runs:  # gpuctl allocs names the DAG run and the task
         assert gpud_id("gpud_one_gpu", run, "hold") in table, table

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import AsyncClient, Client, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
@@ -26,7 +26,7 @@ from .wire import as_nobody, connect, expect
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
     )
 
 
@@ -66,10 +66,10 @@ def test_a_restart_restores_allocations_and_their_accounting(daemon_factory: Cal
 def test_gpuctl_alloc_prints_exports_a_shell_can_eval(daemon: DaemonProcess) -> None:
     script = f"""
 set -e
-vars=$({sys.executable} -m gpud.cli --socket {daemon.socket} alloc --task etl-42 --gpus 1) || exit 1
+vars=$({sys.executable} -m gpud.tools.gpuctl --socket {daemon.socket} alloc --task etl-42 --gpus 1) || exit 1
 eval "$vars"
 echo "$CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER $GPUD_TASK_ID $GPUD_GPU_SHARE"
-{sys.executable} -m gpud.cli --socket {daemon.socket} free --task etl-42
+{sys.executable} -m gpud.tools.gpuctl --socket {daemon.socket} free --task etl-42
 """
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
@@ -137,7 +137,7 @@ def codes(results: dict[str, list[str]]) -> dict[str, str]:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
     )
 
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.main import FD_RESERVE
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError

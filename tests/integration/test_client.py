@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, DaemonUnavailable, ErrorCode, GpudError, ProtocolError
 from gpud_client import protocol as p
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import (
     DaemonUnavailable,
     DropReason,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable
@@ -77,7 +77,7 @@ def test_a_live_daemon_is_not_displaced(daemon: DaemonProcess) -> None:
 
 
 def _gpuctl(d: DaemonProcess, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args],
+    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client import protocol as p
 
@@ -21,7 +21,7 @@ from .wire import attach, connect, request, take_lock, wait_queue
 
 def gpuctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.cli", *args], capture_output=True, text=True, timeout=30, env=env
+        [sys.executable, "-m", "gpud.tools.gpuctl", *args], capture_output=True, text=True, timeout=30, env=env
     )
 
 

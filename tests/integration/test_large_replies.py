@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client import protocol as p
 from gpud_client.aio import AsyncClient
@@ -202,7 +202,7 @@ def assert_lock_kept(node: Node) -> None:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -267,7 +267,7 @@ def read_until(fd: int, needle: bytes, buf: bytes = b"", timeout: float = 20.0) 
 def test_gpuctl_top_draws_the_busy_node(node: Node) -> None:
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(sys.executable, [sys.executable, "-m", "gpud.cli", "--socket", node.d.socket, "top",
+        os.execv(sys.executable, [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", node.d.socket, "top",
                                   "--interval", "30"])
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))
     try:

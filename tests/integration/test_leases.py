@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
@@ -172,7 +172,7 @@ def test_policies_are_hot_updated(daemon: DaemonProcess) -> None:
     with Client(daemon.socket) as c:
         assert c.policies()["SEMANTIC_REPAIR"].max_wait_ms == 400
         out = subprocess.run(
-            [sys.executable, "-m", "gpud.cli", "--socket", daemon.socket, "policy", "SEMANTIC_REPAIR",
+            [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "policy", "SEMANTIC_REPAIR",
              "--max-wait", "0", "--busy", "FALLBACK_CPU", "--json"],
             capture_output=True, text=True, timeout=30,
         )

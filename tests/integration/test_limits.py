@@ -12,7 +12,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, MemoryLimitExceeded, PermissionDenied, ProtocolError
 from gpud_client import protocol as p
 
@@ -47,7 +47,7 @@ def session_info(d: DaemonProcess, name: str) -> p.SessionInfo:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.cli", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
     )
 
 

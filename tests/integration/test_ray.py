@@ -23,7 +23,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray cannot be installed on this platform (gpud-client[ray])")
 
-from gpud.spawn import DaemonProcess  # noqa: E402
+from gpud.tools.spawn import DaemonProcess  # noqa: E402
 from gpud_client import Client, LockLost, PermissionDenied  # noqa: E402
 from gpud_client.ray import current_sessions, gpud_actor, gpud_slice, gpud_task  # noqa: E402
 
@@ -36,7 +36,7 @@ REAP_S = 2.0  # longer than Ray takes to retry a crashed task, so a retry meets 
 
 
 def gpuctl(socket: str, *args: str) -> Any:
-    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", socket, *args, "--json"],
+    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", socket, *args, "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

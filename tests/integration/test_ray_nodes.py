@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray", reason="Ray cannot be installed on this platfor
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from gpud.spawn import DaemonProcess  # noqa: E402
+from gpud.tools.spawn import DaemonProcess  # noqa: E402
 from gpud_client import Client  # noqa: E402
 from gpud_client.ray import current_sessions, gpud_task  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, GpudError, ProtocolError
 from gpud_client import protocol as p
 from gpud_client._async_driver import Wire
@@ -72,7 +72,7 @@ def hung_up(sock: socket.socket) -> bool:
 @pytest.mark.parametrize("cap", CAPS)
 def test_gpuctl_says_which_cap_refused_it(daemon_factory: Factory, tmp_path: Path, cap: str) -> None:
     d, held = full(daemon_factory, tmp_path, cap)
-    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--socket", d.socket, "status"],
+    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, "status"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.startswith(f"gpuctl: limit_reached: {words(cap)}"), out.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 
 from .wire import connect

@@ -163,7 +163,7 @@ def test_socket_activation_serves_a_client() -> None:
 
 
 def test_sighup_reloads_without_dropping_a_client(tmp_path: Path) -> None:
-    from gpud.spawn import DaemonProcess
+    from gpud.tools.spawn import DaemonProcess
 
     cfg = tmp_path / "gpud.toml"
     cfg.write_text('tq_s = 30.0\nlog_level = "info"\n')
@@ -193,7 +193,7 @@ def test_sighup_reloads_without_dropping_a_client(tmp_path: Path) -> None:
 
 
 def test_sigterm_tells_clients_and_exits_0_within_2s() -> None:
-    from gpud.spawn import DaemonProcess
+    from gpud.tools.spawn import DaemonProcess
 
     d = DaemonProcess("--simulate", "1").start()
     try:

@@ -94,16 +94,16 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry
 
-from gpud.config import Config, PolicyConfig, TenantConfig
 from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient
-from gpud.devices import simulated_gpus
-from gpud.listener import handle_payload
-from gpud.metrics import Metrics
-from gpud.server import Daemon
-from gpud.state import ClientLink
-from gpud.store import Store, StoreError
+from gpud.host.config import Config, PolicyConfig, TenantConfig
+from gpud.host.devices import simulated_gpus
+from gpud.host.metrics import Metrics
+from gpud.host.store import Store, StoreError
+from gpud.serving.connections import handle_payload
+from gpud.serving.server import Daemon
+from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 DEFAULT_STEPS = 400
@@ -448,9 +448,9 @@ class World:
         self.daemon_runs += 1
         # The two random sources of a daemon, made replayable: the "random" placement strategy and
         # the prefix of lease ids (which only has to differ between daemon runs).
-        d.allocator.ledger._rng.seed(self.seed * 1000 + self.daemon_runs)
-        d.arbiter._prefix = f"sim{self.seed}r{self.daemon_runs}"
-        real_write = d.allocator.store.write
+        d.allocations.ledger._rng.seed(self.seed * 1000 + self.daemon_runs)
+        d.leases._prefix = f"sim{self.seed}r{self.daemon_runs}"
+        real_write = d.allocations.store.write
 
         def write(*args: Any, **kwargs: Any) -> None:
             if self.store_fail_p and self.rng.random() < self.store_fail_p:
@@ -459,7 +459,7 @@ class World:
                 raise StoreError("injected by the simulation")
             real_write(*args, **kwargs)
 
-        d.allocator.store.write = write  # type: ignore[method-assign]
+        d.allocations.store.write = write  # type: ignore[method-assign]
         real_record = d.faults.record
 
         def record(where: str, exc: BaseException, **context: object) -> None:
@@ -867,7 +867,7 @@ class World:
         gpu = pend.info["gpu"]
         self.expect(msg.gpu == gpu, c, pend, msg, "the GPU asked for")
         if msg.status == p.LeaseStatus.ACQUIRED:
-            rec = self.daemon.arbiter.by_id.get(msg.lease_id or "")
+            rec = self.daemon.leases.by_id.get(msg.lease_id or "")
             self.expect(rec is not None and rec.conn is c.conn, c, pend, msg, "the arbiter holds the lease for it")
             assert rec is not None and msg.lease_id is not None
             if self.now < self.grace_end:
@@ -933,7 +933,7 @@ class World:
                 if pend.deadline is not None and not info.get("withdrawn"):
                     self.expect(self.now >= pend.deadline, c, pend, msg, f"gave up before wait_ms ({pend.deadline})")
             elif msg.code == p.ErrorCode.LIMIT_REACHED:
-                waiting = len(self.daemon.allocator.waiters)
+                waiting = len(self.daemon.allocations.waiters)
                 self.expect(m.wait_ms > 0 and waiting >= self.config.max_allocation_waiters, c, pend, msg,
                             f"{waiting} allocation waiters, cap {self.config.max_allocation_waiters}")
             elif msg.code == p.ErrorCode.INVALID:
@@ -1103,13 +1103,13 @@ class World:
         idle = not self.occupants(gpu) and self.gpus[gpu].enabled and self.now >= self.grace_end
         pend = self.send(c, msg, "ACQUIRE", gpu=gpu, seq=next(self._seq), idle=idle, terms=terms)
         if c.pending.get(pend.rid) is pend:  # not answered yet: it waits
-            rec = next((x for x in self.daemon.arbiter.by_sid.values() if x.conn is c.conn and x.request_id == pend.rid),
+            rec = next((x for x in self.daemon.leases.by_sid.values() if x.conn is c.conn and x.request_id == pend.rid),
                        None)
             if rec is None:
                 self.fail(f"client {c.cid}: ACQUIRE {pend.rid} got no answer and the arbiter has no record of it")
             assert rec is not None
             if rec.terms != terms:
-                self.fail(f"lease terms {rec.terms}, expected {terms} (policy {self.daemon.arbiter.policies.get(msg.task_type)})")
+                self.fail(f"lease terms {rec.terms}, expected {terms} (policy {self.daemon.leases.policies.get(msg.task_type)})")
             pend.info.update(sid=rec.sid, priority=terms.priority, hold_max_us=terms.hold_max_ms * MS)
             pend.deadline = pend.sent_at + terms.max_wait_ms * MS
         self.after_event()
@@ -1120,7 +1120,7 @@ class World:
         that does not name the caller, refused."""
         cfg = self.config
         terms = resolve_terms(
-            m.task_type, self.daemon.arbiter.policies, priority=m.priority, busy_policy=m.busy_policy,
+            m.task_type, self.daemon.leases.policies, priority=m.priority, busy_policy=m.busy_policy,
             max_wait_ms=m.max_wait_ms, queue_limit=m.queue_limit, hold_max_ms=m.hold_max_ms,
             mem_estimate=m.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
             default_hold_max_ms=cfg.lease_hold_max_ms,
@@ -1183,7 +1183,7 @@ class World:
             expected = p.ErrorCode.INVALID
         elif tenant == "nope":
             expected = p.ErrorCode.UNKNOWN_TENANT
-        cp, waiters = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters)
+        cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
         pend = self.send(c, msg, "ALLOCATE", uid=c.uid, client=c, expected=expected, injected=injected,
                          waiting_tasks=sorted(waiting))
@@ -1215,7 +1215,7 @@ class World:
                 expected = p.ErrorCode.PERMISSION_DENIED
         if waiter is not None and expected is None and alloc is None:
             waiter.info["withdrawn"] = True
-        cp, waiters = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters)
+        cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
         pend = self.send(c, p.Free(id=c.rid(), task_id=task), "FREE", expected=expected, waiter=waiter, injected=injected)
         self.finish(c, pend)
@@ -1224,7 +1224,7 @@ class World:
         self.after_event()
 
     def check_rolled_back(self, cp: Any, waiters: dict[str, Any], what: str) -> None:
-        led, alloc = self.daemon.allocator.ledger, self.daemon.allocator
+        led, alloc = self.daemon.allocations.ledger, self.daemon.allocations
         if led.checkpoint() != cp:
             self.fail(f"{what}: the store write failed but the ledger is not as it was before")
         if dict(alloc.waiters) != waiters:
@@ -1353,7 +1353,7 @@ class World:
     def next_due(self) -> int | None:
         d = self.daemon
         times = [t for t in (s.scheduler.next_deadline() for s in d.slots) if t is not None]
-        ledger = d.allocator.ledger.next_deadline()
+        ledger = d.allocations.ledger.next_deadline()
         if ledger is not None:
             times.append(ledger)
         if self.agenda:
@@ -1379,15 +1379,15 @@ class World:
                 fired.append(f"GPU {slot.gpu.index}")
                 d.effects.carry_out(slot.scheduler.advance(self.now), self.now, slot)
                 self.deliver()
-        deadline = d.allocator.ledger.next_deadline()
+        deadline = d.allocations.ledger.next_deadline()
         if deadline is not None and deadline <= self.now:
             fired.append("allocations")
-            d.allocator.advance(self.now)
+            d.allocations.advance(self.now)
             self.deliver()
         if fired:
             self.event("timers: " + ", ".join(fired))
             self.after_event()
-            deadline = d.allocator.ledger.next_deadline()
+            deadline = d.allocations.ledger.next_deadline()
             if deadline is not None and deadline <= self.now:
                 self.fail(f"an allocation deadline {self.now - deadline} us old is due but was not acted on")
             self.spins = self.spins + 1 if self.now == self.last_due else 0
@@ -1467,7 +1467,7 @@ class World:
                 self.check_fresh_store()
             finally:
                 with contextlib.suppress(Exception):
-                    self.daemon.allocator.store.close()
+                    self.daemon.allocations.store.close()
                 shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def pick(self, items: list[Any]) -> Any:
@@ -1601,7 +1601,7 @@ class World:
         else:
             msg = p.ResetAllocations(id=rid)
         kind = str(msg.__struct_config__.tag)
-        cp, waiters, injected = self.daemon.allocator.ledger.checkpoint(), dict(self.daemon.allocator.waiters), self.injected
+        cp, waiters, injected = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters), self.injected
         pend = self.send(c, msg, kind, tasks=sorted(self.acked), injected=injected)
         self.finish(c, pend)
         if self.injected > injected:
@@ -1706,7 +1706,7 @@ class World:
 
     def restart(self, *, grace_us: int) -> None:
         old = self.daemon
-        old.allocator.store.close()
+        old.allocations.store.close()
         for c in self.clients:
             if c.conn is not None:
                 self.closed_conns.append(c.conn)
@@ -1754,7 +1754,7 @@ class World:
         model_owned = {sid: c.conn.client_id for sid, c in owned.items() if c.conn is not None}
         if daemon_owned != model_owned:
             self.fail(f"the daemon's owners {daemon_owned} are not what the clients hold {model_owned}")
-        arb = d.arbiter
+        arb = d.leases
         held = {lease.sid for c in self.clients for lease in c.leases.values()}
         waiting = {q.info["sid"] for _, q in self._waiting}
         if set(arb.by_sid) != held | waiting:
@@ -1940,7 +1940,7 @@ class World:
 
     def check_allocations(self) -> None:
         d = self.daemon
-        alloc, led = d.allocator, d.allocator.ledger
+        alloc, led = d.allocations, d.allocations.ledger
         ledger = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant) for a in led.allocations()}
         model = {t: (a.gpus, a.share, a.cpus, a.tenant) for t, a in self.acked.items()}
         if ledger != model:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpud import __version__
-from gpud.links import Links
-from gpud.state import ClientLink, GpuSlot, Handler
+from gpud.serving.links import Links
+from gpud.serving.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
 
-class Views:
+class Status:
     """STATUS and LIST_CLIENTS; every account is brought up to now first."""
 
     def __init__(self, slots: list[GpuSlot], links: Links, started_at: int, settle: Callable[[int], None]) -> None:

@@ -1,7 +1,7 @@
 """What the daemon's parts share: a client connection, a GPU slot, the clock, and
 how a client's GPU reference resolves. The parts (``links``, ``effects``,
-``locks``, ``arbiter``, ``allocator``, ``admin``, ``views``) depend on this module
-and on each other's narrow pieces, never on ``gpud.server``: imports point one
+``locks``, ``leases``, ``allocations``, ``admin``, ``status``) depend on this module
+and on each other's narrow pieces, never on ``gpud.serving.server``: imports point one
 way, and the server composes them.
 """
 
@@ -19,7 +19,7 @@ import trio
 from gpud.core.errors import Refused
 from gpud.core.gpus import GpuIdentity, resolve_gpu
 from gpud.core.scheduler import GpuScheduler
-from gpud.devices import Gpu
+from gpud.host.devices import Gpu
 from gpud_client import protocol as p
 
 Clock = Callable[[], int]  # integer microseconds

@@ -12,11 +12,11 @@ import os
 import msgspec
 import structlog
 
-from gpud.config import Config
 from gpud.core.authority import PriorityRules, check_priority, lease_priority, priority_ceiling
 from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy
-from gpud.state import ClientLink
+from gpud.host.config import Config
+from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

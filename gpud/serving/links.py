@@ -20,10 +20,10 @@ import msgspec
 import structlog
 import trio
 
-from gpud.config import Config
 from gpud.core.errors import LimitReached, Refused
-from gpud.metrics import Metrics
-from gpud.state import ClientLink, Clock
+from gpud.host.config import Config
+from gpud.host.metrics import Metrics
+from gpud.serving.state import ClientLink, Clock
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ class Links:
         self.owners: dict[int, ClientLink] = {}  # session or lease id -> its connection
         self.per_uid: Counter[int] = Counter()  # open connections by peer uid
         self.descriptor_room = 1_000_000  # connections the open-file limit leaves room for (set at start)
-        self.refusing = 0  # refused connections kept a moment for their HELLO (see gpud.listener)
+        self.refusing = 0  # refused connections kept a moment for their HELLO (see gpud.serving.listener)
         self._client_ids = itertools.count(1)
         self._codec = p.daemon_codec()
         self._message_counts: dict[type, object] = {}

@@ -18,10 +18,10 @@ from gpud.core.authority import fraction_ceilings
 from gpud.core.errors import Refused
 from gpud.core.ledger import Allocation
 from gpud.core.scheduler import Drop, Grant, MemOverLimit, Revoke
-from gpud.logging import debug
-from gpud.metrics import Metrics, session_labels
-from gpud.parts import Part, Pieces
-from gpud.state import ClientLink, GpuSlot, Handler
+from gpud.host.logging import debug
+from gpud.host.metrics import Metrics, session_labels
+from gpud.serving.parts import Part, Pieces
+from gpud.serving.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

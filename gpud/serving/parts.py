@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpud.access import Access
-from gpud.effects import Effects
-from gpud.links import Links
-from gpud.metrics import Metrics
-from gpud.state import GpuRefs, GpuSlot, Handler
+from gpud.host.metrics import Metrics
+from gpud.serving.access import Access
+from gpud.serving.effects import Effects
+from gpud.serving.links import Links
+from gpud.serving.state import GpuRefs, GpuSlot, Handler
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,17 +27,17 @@ import trio
 
 from gpud.core.health import GpuHealth, HealthyAgain, Probe, Unhealthy
 from gpud.core.ledger import UNIT
-from gpud.devices import Gpu, Reading
-from gpud.effects import Effects
-from gpud.metrics import session_labels
-from gpud.server import Daemon
+from gpud.host.devices import Gpu, Reading
+from gpud.host.metrics import session_labels
+from gpud.serving.effects import Effects
+from gpud.serving.server import Daemon
 
 log = structlog.get_logger(__name__)
 _DONE = object()
 
 
 class Sampler(Protocol):
-    """Reads one GPU, blocking (``gpud.devices.NvmlSampler``)."""
+    """Reads one GPU, blocking (``gpud.host.devices.NvmlSampler``)."""
 
     @property
     def gpus(self) -> list[Gpu]: ...
@@ -170,7 +170,7 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
         m.utilization.labels(r.index).set(r.utilization_ratio)
         for sid, conn in list(daemon.links.owners.items()):
             used = (r.process_memory or {}).get(conn.pid)
-            if used is not None and conn.sessions.get(sid) == r.index and not daemon.arbiter.owns(sid):
+            if used is not None and conn.sessions.get(sid) == r.index and not daemon.leases.owns(sid):
                 daemon.locks.report_memory(slot, sid, used, now)
                 # At once, as the GPU's own gauges: the reading came between two refreshes.
                 labels = session_labels(r.index, sid, conn.name, conn.pid)
@@ -216,8 +216,8 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
         if slot.gpu.simulated:
             m.utilization.labels(gpu).set(1.0 if view.holders else 0.0)
             m.memory_used.labels(gpu).set(view.memory_in_use_bytes if view.holders else 0)
-        m.allocated.labels(gpu).set((UNIT - daemon.allocator.ledger.gpu_free(gpu)) / UNIT)
-    m.allocations.set(len(daemon.allocator.ledger.allocations()))
+        m.allocated.labels(gpu).set((UNIT - daemon.allocations.ledger.gpu_free(gpu)) / UNIT)
+    m.allocations.set(len(daemon.allocations.ledger.allocations()))
     children = m.session_children
     limits = _series(m.session_memory_limit)
     done, began = 0, time.perf_counter()
@@ -233,7 +233,7 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
                 daemon.settle_all(now)  # this step's figures are up to its own now
             done += 1
             on = conn.sessions.get(sid)
-            if on is None or conn.closing or daemon.arbiter.owns(sid):
+            if on is None or conn.closing or daemon.leases.owns(sid):
                 continue  # gone since the pass began (its series with it), or a lease
             v = daemon.slots[on].scheduler.session(sid, now)
             labels = session_labels(on, sid, conn.name, conn.pid)
@@ -255,7 +255,7 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
     # connection's cleanup failed), so more sessions with series than sessions attached means
     # some were missed; only then are they looked for, in steps (the next pass finds any that
     # a session attached meanwhile, still without series, left uncounted).
-    if len(children) <= len(daemon.links.owners) - len(daemon.arbiter.by_sid):
+    if len(children) <= len(daemon.links.owners) - len(daemon.leases.by_sid):
         return
     keyed: list[Mapping[tuple[str, ...], object]] = [children, *(_series(g) for g in m.session_gauges)]
     for series_of in keyed:
@@ -271,7 +271,7 @@ def _live(daemon: Daemon, labels: tuple[str, ...]) -> bool:
     gpu, sid = int(labels[0]), int(labels[1])
     conn = daemon.links.owners.get(sid)
     return (conn is not None and not conn.closing and conn.sessions.get(sid) == gpu
-            and not daemon.arbiter.owns(sid) and session_labels(gpu, sid, conn.name, conn.pid) == labels)
+            and not daemon.leases.owns(sid) and session_labels(gpu, sid, conn.name, conn.pid) == labels)
 
 
 def _series(gauge: object) -> dict[tuple[str, ...], object]:

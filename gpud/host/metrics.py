@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gpud.cells import CounterCells, GaugeCells, HistogramCells
+from gpud.host.cells import CounterCells, GaugeCells, HistogramCells
 from gpud_client import protocol as p
 
 # Label values of the daemon's own counters, created up front.
@@ -36,7 +36,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         gt = ["gpu", "task_type"]
-        # Updated on every lease and lock cycle: cells (gpud.cells), not prometheus_client's locked metrics.
+        # Updated on every lease and lock cycle: cells (gpud.host.cells), not prometheus_client's locked metrics.
         self.acquire_total = CounterCells(
             "gpud_arbiter_acquire_total", "Lease acquires by their answer.", [*gt, "status"], registry
         )

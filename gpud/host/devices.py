@@ -121,7 +121,7 @@ class NvmlSampler:
     """Reads utilisation, memory and per-process memory of real GPUs.
 
     Blocking, and a sick GPU's calls may never return: the daemon reads each GPU
-    with ``sample_gpu`` in a worker thread of its own (see ``gpud.monitor``),
+    with ``sample_gpu`` in a worker thread of its own (see ``gpud.serving.monitor``),
     never on its event loop. A GPU whose calls fail is reported unhealthy."""
 
     def __init__(self, nvml: Any, gpus: list[Gpu]) -> None:

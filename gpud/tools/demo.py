@@ -1,4 +1,4 @@
-"""`python -m gpud.demo` (`make demo`): four processes take turns on one GPU.
+"""`python -m gpud.tools.demo` (`make demo`): four processes take turns on one GPU.
 
 What it shows: a gpud on simulated GPUs with a short time quantum (2 s) and
 drop timeout (1 s), and four client processes with different work patterns
@@ -12,7 +12,7 @@ who waits; at the end a table gives each client's share of GPU time, lock
 waits and drops, as the daemon counted them.
 
 How it works: this module is both the parent and the workers. The parent
-starts the daemon (``DaemonProcess``), spawns ``python -m gpud.demo --worker
+starts the daemon (``DaemonProcess``), spawns ``python -m gpud.tools.demo --worker
 KIND`` per pattern, and watches as an observer client that holds no session,
 keeping the last CLIENTS figures of each worker. Kernels are sleeps. A worker
 stops by itself after ``--seconds``, then prints its own counts as one JSON
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpud.spawn import DaemonProcess
+from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client, DropReason, GpudError, LockLost, Session
 from gpud_client import protocol as p
 
@@ -187,7 +187,7 @@ class _Child:
 
 def _spawn(kind: str, daemon: DaemonProcess, seconds: float) -> _Child:
     out, err = Path(daemon.workdir, f"{kind}.out"), Path(daemon.workdir, f"{kind}.err")
-    cmd = [sys.executable, "-m", "gpud.demo", "--worker", kind, "--socket", daemon.socket, "--seconds", f"{seconds:g}"]
+    cmd = [sys.executable, "-m", "gpud.tools.demo", "--worker", kind, "--socket", daemon.socket, "--seconds", f"{seconds:g}"]
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
     return _Child(kind, proc, out, err)
@@ -411,7 +411,7 @@ def run_demo(seconds: float) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpud.demo", description="Processes sharing one GPU through gpud.")
+    ap = argparse.ArgumentParser(prog="python -m gpud.tools.demo", description="Processes sharing one GPU through gpud.")
     ap.add_argument("--seconds", type=float, default=RUN_S, help=f"how long the clients run (default {RUN_S:g})")
     ap.add_argument("--worker", choices=sorted(PATTERNS), help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)

@@ -14,7 +14,7 @@ import time
 
 import structlog
 
-from gpud.metrics import Metrics
+from gpud.host.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 _QUIET_S = 1.0

@@ -1,15 +1,16 @@
 """The daemon: the one place its parts are built and wired.
 
-- ``links`` (``gpud.links``): the connection registry and the send path;
-- ``effects`` (``gpud.effects``): the one way the cores' decisions are carried out;
+- ``links`` (``gpud.serving.links``): the connection registry and the send path;
+- ``effects`` (``gpud.serving.effects``): the one way the cores' decisions are carried out;
 - one handler object per capability, each given only the pieces it needs:
-  ``locks`` (locks and sessions), ``arbiter`` (leases), ``allocator``
-  (allocations), ``admin`` (scheduler settings), ``views`` (STATUS, CLIENTS);
-- ``access`` (``gpud.access``): admin rights and priority ceilings.
+  ``locks`` (locks and sessions), ``leases``, ``allocations``, ``admin``
+  (scheduler settings), ``status`` (STATUS, CLIENTS), from ``gpud.capabilities``;
+- ``access`` (``gpud.serving.access``): admin rights and priority ceilings.
 
 ``handle`` answers one decoded request through a table from message type to
 handler; ``close`` frees what a connection held; ``farewell`` and ``reload``
-act on the whole daemon. The sockets and tasks are in ``gpud.listener``.
+act on the whole daemon. The socket and the tasks are in ``gpud.serving.listener``,
+``gpud.serving.connections`` and ``gpud.serving.timers``.
 
 A refused call raises ``Refused`` and is answered with an Error. A fault in
 carrying out one effect is logged, counted and skipped (the others are still
@@ -27,23 +28,23 @@ import msgspec
 import structlog
 import trio
 
-from gpud.access import Access
-from gpud.admin import Admin
-from gpud.allocator import Allocator
-from gpud.arbiter import Arbiter
-from gpud.config import Config
+from gpud.capabilities.admin import Admin
+from gpud.capabilities.allocations import Allocations
+from gpud.capabilities.leases import Leases
+from gpud.capabilities.locks import Locks
+from gpud.capabilities.status import Status
 from gpud.core.errors import Refused
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import GpuScheduler, SchedulerConfig
-from gpud.devices import Gpu
-from gpud.effects import Effects
-from gpud.faults import Faults
-from gpud.links import Links
-from gpud.locks import Locks
-from gpud.metrics import Metrics, session_labels
-from gpud.parts import Pieces
-from gpud.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
-from gpud.views import Views
+from gpud.host.config import Config
+from gpud.host.devices import Gpu
+from gpud.host.metrics import Metrics, session_labels
+from gpud.serving.access import Access
+from gpud.serving.effects import Effects
+from gpud.serving.faults import Faults
+from gpud.serving.links import Links
+from gpud.serving.parts import Pieces
+from gpud.serving.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
@@ -72,19 +73,19 @@ class Daemon:
         self.effects = Effects(self.faults)
         self.access = Access(config)
         ids = itertools.count(1)  # sessions and leases share one id space: ``links.owners`` holds both
-        self.allocator_wake = trio.Event()
+        self.allocations_wake = trio.Event()
         pieces = Pieces(self.slots, self.refs, self.links, self.effects, self.access, metrics)
-        self.allocator = Allocator(pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocator)
-        self.arbiter = Arbiter(pieces, config, ids, self.settle_all)
-        self.locks = Locks(pieces, ids, self.allocator.session_allocation, self.arbiter.owns)
+        self.allocations = Allocations(pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocations)
+        self.leases = Leases(pieces, config, ids, self.settle_all)
+        self.locks = Locks(pieces, ids, self.allocations.session_allocation, self.leases.owns)
         self.admin = Admin(self.refs, self.links, self.effects, self.access)
-        self.views = Views(self.slots, self.links, self.started_at, self.settle_all)
+        self.status = Status(self.slots, self.links, self.started_at, self.settle_all)
         self.handlers: dict[type, Handler] = {p.Hello: self.hello}
-        for part in (self.locks, self.arbiter, self.allocator, self.admin, self.views):
+        for part in (self.locks, self.leases, self.allocations, self.admin, self.status):
             self.handlers.update(part.handlers())
 
-    def wake_allocator(self) -> None:
-        self.allocator_wake.set()
+    def wake_allocations(self) -> None:
+        self.allocations_wake.set()
 
     def handle(self, conn: ClientLink, msg: Any) -> msgspec.Struct | None:
         """One decoded request -> its answer (None: none now, or none at all). Raises Refused."""
@@ -130,7 +131,7 @@ class Daemon:
         one part of the cleanup does not keep the rest from running."""
         self.links.forget(conn)
         now = self.now()
-        for part in (self.locks, self.arbiter, self.allocator):
+        for part in (self.locks, self.leases, self.allocations):
             try:
                 part.connection_closed(conn, now)
             except Exception as exc:
@@ -167,13 +168,13 @@ class Daemon:
         self.config = config
         self.links.config = config
         self.access.reconfigure(config)
-        self.allocator.reconfigure(config)
+        self.allocations.reconfigure(config)
         for slot in self.slots:
             sched = slot.scheduler
             new = take_changes(sched.config, scheduler_config(old, slot.gpu), scheduler_config(config, slot.gpu))
             if new != sched.config:
                 self.effects.carry_out(sched.reconfigure(new, now), now, slot)
-        self.arbiter.reconfigure(config)
+        self.leases.reconfigure(config)
         return [k for k in changed if k not in later], later
 
     def settle_all(self, now: int) -> None:

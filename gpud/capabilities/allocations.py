@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import structlog
 
-from gpud.config import Config
 from gpud.core.authority import Members, check_may_free, check_task_owner, check_tenant, owning_allocation
 from gpud.core.errors import Refused
 from gpud.core.ledger import (
@@ -36,16 +35,17 @@ from gpud.core.ledger import (
     TenantQuota,
     to_fixed,
 )
-from gpud.faults import Faults
-from gpud.parts import Part, Pieces
-from gpud.state import ClientLink, Handler
-from gpud.store import Store, StoreError
+from gpud.host.config import Config
+from gpud.host.store import Store, StoreError
+from gpud.serving.faults import Faults
+from gpud.serving.parts import Part, Pieces
+from gpud.serving.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
 
 
-class Allocator(Part):
+class Allocations(Part):
     """Allocations: ALLOCATE, FREE, LIST_ALLOCATIONS, RESET_ALLOCATIONS, and the answers to
     waiters the ledger serves or expires."""
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from gpud.config import Config
 from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_terms
 from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Revoke
-from gpud.metrics import Metrics
-from gpud.parts import Part, Pieces
-from gpud.state import ClientLink, Handler
+from gpud.host.config import Config
+from gpud.host.metrics import Metrics
+from gpud.serving.parts import Part, Pieces
+from gpud.serving.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
@@ -61,7 +61,7 @@ class _Children:
         self.watchdog = m.watchdog.labels(*labels)
 
 
-class Arbiter(Part):
+class Leases(Part):
     """Leases: ACQUIRE, RELEASE, LIST_LEASES, SET_POLICY, LIST_POLICIES, REPORT_OOM, and the
     answers the schedulers decide for leases (LEASE_RESULT, LEASE_REVOKED)."""
 

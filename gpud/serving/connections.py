@@ -1,15 +1,13 @@
-"""The listener and the timers: one task group per connection, one timer per GPU.
+"""One client connection: a reader, a writer and a HELLO deadline, and what one frame does.
 
 Each connection has a reader task (frames in, ``Daemon.handle``, answers out), a
-writer task draining its outbox and a HELLO deadline, closed in ``finally``; one
-timer task per GPU sleeps until its scheduler's next deadline or until something
-changed. Readiness is reported with ``task_status.started()``.
+writer task draining its outbox and a HELLO deadline, closed in ``finally``.
+A connection refused by a cap is answered with one ERROR naming the cap.
 
 Containment: peer errors are answered (and, for a broken frame, the connection
 closed); any other exception while handling one client's bytes, exception
 groups included, is logged once with its traceback, counted, and closes that
-one connection. A timer tick or record that cannot be handled is logged,
-counted and skipped. Only an inconsistent scheduler stops the daemon.
+one connection. Only an inconsistent scheduler stops the daemon.
 
 Fairness: a connection yields to the others after a few messages or a fraction
 of a millisecond of work, whichever comes first, and stops reading while its
@@ -22,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import stat
 import struct
 import time
 from typing import Any
@@ -31,12 +28,9 @@ import msgspec
 import structlog
 import trio
 
-from gpud.config import Config
 from gpud.core.errors import Inconsistent, LimitReached, Refused
-from gpud.devices import sampler_for
-from gpud.monitor import run_monitor
-from gpud.server import Daemon
-from gpud.state import ClientLink, GpuSlot
+from gpud.serving.server import Daemon
+from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
@@ -47,7 +41,6 @@ _TURN_MESSAGES = 16
 _TURN_S = 0.0005
 _READ_BYTES = 65536
 _FLUSH_S = 1.0  # what a closing connection may take to flush its last answers
-_ACCEPT_BACKOFF_S = 0.1  # after accept fails for want of descriptors or memory
 # A connection refused by a cap waits this long for its HELLO, at most this many at once (each
 # holds a descriptor: well within main.FD_RESERVE); past that, it is refused without waiting.
 _REFUSAL_WAIT_S = 1.0
@@ -270,155 +263,3 @@ def protocol_error(daemon: Daemon, conn: ClientLink, rid: int | None, code: p.Er
     if not conn.protocol_errors:
         log.info("protocol_error", client=conn.client_id, pid=conn.pid, code=str(code), detail=message[:200])
     conn.protocol_errors[str(code)] += 1
-
-
-_PROBE_TIMEOUT_S = 1.0  # a daemon that does not accept within this is taken as live, never unlinked
-
-
-def _claim_socket_path(path: str) -> None:
-    """Create the directory; remove a stale socket, refuse a live one or anything not a socket."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise RuntimeError(f"{path} exists and is not a socket: gpud will not remove it (remove it yourself, "
-                           f"or set socket to another path)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(_PROBE_TIMEOUT_S)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        log.info("stale_socket_removed", socket=path)
-        os.unlink(path)  # nobody listens: left behind by a daemon that died
-    except (TimeoutError, BlockingIOError):  # its backlog is full: alive, but not accepting
-        raise RuntimeError(f"a process listens on {path} but does not accept connections: another gpud? "
-                           f"(stop it first, or set socket to another path)") from None
-    except OSError as exc:
-        raise RuntimeError(f"cannot probe the socket {path}: {exc.strerror or exc}") from None
-    else:
-        raise RuntimeError(f"another daemon is listening on {path} (stop it first, or set socket to another path)")
-    finally:
-        probe.close()
-
-
-class OwnSocket:
-    """The socket path this daemon bound, removed at exit only if it is still ours
-    (another daemon may have replaced it meanwhile)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        st = os.stat(path)
-        self.identity = (st.st_dev, st.st_ino)
-
-    def remove(self) -> None:
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self.identity and stat.S_ISSOCK(st.st_mode):
-            os.unlink(self.path)
-        else:
-            log.warning("socket_not_removed", socket=self.path, reason="it is no longer the socket gpud bound")
-
-
-async def open_listener(config: Config, inherited: socket.socket | None = None) -> tuple[trio.SocketListener, OwnSocket | None]:
-    """The socket systemd passed us (it stays systemd's), or our own at ``config.socket``."""
-    if inherited is not None:
-        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited)), None
-    path = config.socket
-    _claim_socket_path(path)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        await sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise RuntimeError(f"cannot listen on {path}: {exc.strerror or exc}") from None
-    own = OwnSocket(path)
-    os.chmod(path, config.socket_mode)
-    sock.listen(512)
-    return trio.SocketListener(sock), own
-
-
-async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
-    """Sleep until the scheduler's next deadline or until something changed. A tick
-    that fails is logged, counted and skipped (then retried after a growing pause,
-    never in a tight loop); a scheduler found inconsistent after it stops the daemon."""
-    failures = 0
-    while True:
-        slot.wake = trio.Event()
-        deadline = slot.armed_for = slot.scheduler.next_deadline()
-        if deadline is None:
-            await slot.wake.wait()
-        else:
-            delay = (deadline - daemon.now()) / 1e6
-            if delay > 0:
-                with trio.move_on_after(delay):
-                    await slot.wake.wait()
-        now = daemon.now()
-        try:
-            daemon.effects.carry_out(slot.scheduler.advance(now), now, slot)
-            failures = 0
-        except Exception as exc:
-            daemon.faults.record("timer", exc, gpu=slot.gpu.index)
-            slot.scheduler.check()
-            failures += 1
-            await trio.sleep(min(1.0, 0.01 * 2**failures))
-
-
-async def run_allocator_timer(daemon: Daemon) -> None:
-    """Expire allocation waits on time; reclaim allocations of dead owners."""
-    next_reap = daemon.now()
-    while True:
-        daemon.allocator_wake = trio.Event()
-        interval = daemon.config.reap_interval_s  # read each time: a reload changes it
-        times = [t for t in (daemon.allocator.ledger.next_deadline(), next_reap if interval else None) if t is not None]
-        if times:
-            with trio.move_on_after(max(0.0, (min(times) - daemon.now()) / 1e6)):
-                await daemon.allocator_wake.wait()
-        else:
-            await daemon.allocator_wake.wait()
-        now = daemon.now()
-        try:
-            daemon.allocator.advance(now)
-            if interval and now >= next_reap and not daemon.shutting_down:
-                daemon.allocator.reap(now)
-        except Exception as exc:  # the tick is skipped; the next one tries again
-            daemon.faults.record("allocator", exc)
-        if now >= next_reap:
-            next_reap = now + round(interval * 1e6)
-
-
-async def accept_loop(daemon: Daemon, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-    """Accept connections for ever. Out of descriptors or memory: the clients already
-    connected go on being served, and accepting resumes once there is room again."""
-    while True:
-        try:
-            stream = await listener.accept()
-        except OSError as exc:
-            daemon.metrics.node.connections_refused.labels(errno.errorcode.get(exc.errno or 0, "accept")).inc()
-            daemon.faults.often("accept_failed", error=str(exc))
-            await trio.sleep(_ACCEPT_BACKOFF_S)
-            continue
-        nursery.start_soon(_serve_and_close, daemon, stream)
-
-
-async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream) -> None:
-    try:
-        await serve_connection(daemon, stream)
-    finally:
-        await trio.aclose_forcefully(stream)
-
-
-async def serve(
-    daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    async with trio.open_nursery() as nursery:
-        for slot in daemon.slots:
-            nursery.start_soon(run_timer, daemon, slot)
-        nursery.start_soon(run_allocator_timer, daemon)
-        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
-        nursery.start_soon(accept_loop, daemon, listener, nursery)
-        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections)
-        task_status.started()

@@ -24,8 +24,8 @@ from typing import Any, NoReturn, TypeVar, get_args
 
 import msgspec
 
-from gpud.top import gpu_memory, gpu_mode, reserve_note
-from gpud.top import run as run_top
+from gpud.tools.top import gpu_memory, gpu_mode, reserve_note
+from gpud.tools.top import run as run_top
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError

@@ -1,0 +1,1 @@
+"""One request handler per capability: locks, leases, allocations, admin, status."""

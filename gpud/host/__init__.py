@@ -1,0 +1,1 @@
+"""What touches the host: configuration, GPUs and NVML, the store, the lock file, systemd, logs, metrics."""

@@ -1,0 +1,131 @@
+"""The listening socket and the daemon's task group: accept, timers, monitor.
+
+``open_listener`` claims the socket path (a stale socket is removed, a live
+one refused) or takes the one systemd passed; ``serve`` starts one timer per
+GPU, the allocations' timer, the monitor and the accept loop, and reports
+readiness with ``task_status.started()``. Each accepted connection is served by
+``gpud.serving.connections``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+
+import structlog
+import trio
+
+from gpud.host.config import Config
+from gpud.host.devices import sampler_for
+from gpud.serving.connections import serve_connection
+from gpud.serving.monitor import run_monitor
+from gpud.serving.server import Daemon
+from gpud.serving.timers import run_allocations_timer, run_timer
+
+log = structlog.get_logger(__name__)
+_ACCEPT_BACKOFF_S = 0.1  # after accept fails for want of descriptors or memory
+
+
+_PROBE_TIMEOUT_S = 1.0  # a daemon that does not accept within this is taken as live, never unlinked
+
+
+def _claim_socket_path(path: str) -> None:
+    """Create the directory; remove a stale socket, refuse a live one or anything not a socket."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise RuntimeError(f"{path} exists and is not a socket: gpud will not remove it (remove it yourself, "
+                           f"or set socket to another path)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_TIMEOUT_S)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("stale_socket_removed", socket=path)
+        os.unlink(path)  # nobody listens: left behind by a daemon that died
+    except (TimeoutError, BlockingIOError):  # its backlog is full: alive, but not accepting
+        raise RuntimeError(f"a process listens on {path} but does not accept connections: another gpud? "
+                           f"(stop it first, or set socket to another path)") from None
+    except OSError as exc:
+        raise RuntimeError(f"cannot probe the socket {path}: {exc.strerror or exc}") from None
+    else:
+        raise RuntimeError(f"another daemon is listening on {path} (stop it first, or set socket to another path)")
+    finally:
+        probe.close()
+
+
+class OwnSocket:
+    """The socket path this daemon bound, removed at exit only if it is still ours
+    (another daemon may have replaced it meanwhile)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        st = os.stat(path)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def remove(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self.identity and stat.S_ISSOCK(st.st_mode):
+            os.unlink(self.path)
+        else:
+            log.warning("socket_not_removed", socket=self.path, reason="it is no longer the socket gpud bound")
+
+
+async def open_listener(config: Config, inherited: socket.socket | None = None) -> tuple[trio.SocketListener, OwnSocket | None]:
+    """The socket systemd passed us (it stays systemd's), or our own at ``config.socket``."""
+    if inherited is not None:
+        return trio.SocketListener(trio.socket.from_stdlib_socket(inherited)), None
+    path = config.socket
+    _claim_socket_path(path)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    own = OwnSocket(path)
+    os.chmod(path, config.socket_mode)
+    sock.listen(512)
+    return trio.SocketListener(sock), own
+
+
+async def accept_loop(daemon: Daemon, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+    """Accept connections for ever. Out of descriptors or memory: the clients already
+    connected go on being served, and accepting resumes once there is room again."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            daemon.metrics.node.connections_refused.labels(errno.errorcode.get(exc.errno or 0, "accept")).inc()
+            daemon.faults.often("accept_failed", error=str(exc))
+            await trio.sleep(_ACCEPT_BACKOFF_S)
+            continue
+        nursery.start_soon(_serve_and_close, daemon, stream)
+
+
+async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream) -> None:
+    try:
+        await serve_connection(daemon, stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def serve(
+    daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with trio.open_nursery() as nursery:
+        for slot in daemon.slots:
+            nursery.start_soon(run_timer, daemon, slot)
+        nursery.start_soon(run_allocations_timer, daemon)
+        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
+        nursery.start_soon(accept_loop, daemon, listener, nursery)
+        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections)
+        task_status.started()

@@ -1,0 +1,1 @@
+"""The daemon's clients: gpuctl, top, the demo, and a helper that starts a daemon process."""
