@@ -1,5 +1,8 @@
 """A fault stays with its connection, effect, record or tick: in-process, on real sockets.
 
+The daemon is the in-process one of ``tests/inprocess.py``, on the real clock and served
+by the real listener, so that faults in the connection tasks and timers are exercised.
+
 Each test injects an exception where a bug could be (a request handler, the
 cleanup of a closing connection, one effect, one reaped record, one NVML sample)
 and checks that only that connection or record is affected, that the fault is
@@ -12,14 +15,13 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import pytest
 import structlog
 import trio
-from prometheus_client import CollectorRegistry
+from inprocess import Node  # tests/ is on the path of its top-level modules
 from trio.testing import wait_all_tasks_blocked
 
 import gpud.capabilities.allocations
@@ -27,23 +29,12 @@ import gpud.serving.monitor
 from gpud.core.errors import Inconsistent
 from gpud.core.scheduler import Grant
 from gpud.host.config import Config
-from gpud.host.devices import Gpu, Reading, simulated_gpus
-from gpud.host.metrics import Metrics
+from gpud.host.devices import Gpu, Reading
 from gpud.serving.listener import open_listener, serve
 from gpud.serving.monitor import run_monitor
 from gpud.serving.server import Daemon
 from gpud.serving.state import now_us
 from gpud_client import protocol as p
-
-
-@dataclass
-class Node:
-    daemon: Daemon
-    registry: CollectorRegistry
-    path: str
-
-    def faults(self, where: str) -> float:
-        return self.registry.get_sample_value("gpud_faults_total", {"where": where}) or 0.0
 
 
 class Peer:
@@ -59,7 +50,7 @@ class Peer:
     @classmethod
     async def connect(cls, node: Node, name: str = "peer") -> Peer:
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await sock.connect(node.path)
+        await sock.connect(node.config.socket)
         peer = cls(sock)
         assert isinstance(await peer.call(p.Hello(id=0, version=p.PROTOCOL_VERSION, name=name)), p.Welcome)
         return peer
@@ -92,17 +83,13 @@ class Peer:
 
 @pytest.fixture
 async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
-    workdir = tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp")
-    config = Config(socket=os.path.join(workdir, "s"), state_dir=os.path.join(workdir, "state"), metrics_addr="off",
-                    reap_interval_s=0)
-    registry = CollectorRegistry()
-    daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(registry))
-    listener, _ = await open_listener(config)
-    await nursery.start(serve, daemon, listener)
+    node = Node(clock=now_us, socket=os.path.join(tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp"), "s"))
+    listener, _ = await open_listener(node.config)
+    await nursery.start(serve, node.daemon, listener)
     try:
-        yield Node(daemon, registry, config.socket)
+        yield node
     finally:
-        daemon.allocations.store.close()
+        node.close_store()
 
 
 async def lock(peer: Peer, gpu: int = 0) -> tuple[int, int]:
@@ -288,10 +275,9 @@ async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: p
 
 
 async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    workdir = tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp")
-    config = Config(socket=os.path.join(workdir, "s"), state_dir=os.path.join(workdir, "st"), metrics_addr="off")
-    daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()))
-    listener, _ = await open_listener(config)
+    node = Node("1x16GiB", clock=now_us, socket=os.path.join(tempfile.mkdtemp(prefix="gpud-c-", dir="/tmp"), "s"))
+    daemon = node.daemon
+    listener, _ = await open_listener(node.config)
 
     def corrupt(conn: Any, msg: Any, now: int) -> Any:
         daemon.slots[0].scheduler._queue.append((0, 0, 12345))  # a queued session that does not exist
@@ -301,10 +287,10 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
     with pytest.RaisesGroup(Inconsistent, flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, daemon, listener)
-            peer = await Peer.connect(Node(daemon, CollectorRegistry(), config.socket))
+            peer = await Peer.connect(node)
             await peer.send(p.Attach(id=1, gpu=0))
             await trio.sleep_forever()
-    daemon.allocations.store.close()
+    node.close_store()
 
 
 async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None:

@@ -3,8 +3,7 @@
 The store is exercised on real files: a full database (``max_page_count``), one
 locked by another connection, a file that is no database, one damaged, one
 written by a newer gpud, a state directory gpud may not write. The daemon is
-driven in-process (``fd=-1`` connections, its clock injected) with a store whose
-writes fail, to check that a refused change leaves the ledger exactly as it was,
+driven in-process (``tests/inprocess.py``) with a store whose writes fail, to check that a refused change leaves the ledger exactly as it was,
 waiters included, and that nothing unstored is ever acknowledged.
 """
 
@@ -15,23 +14,14 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import pytest
-import trio
 from core.statecheck import state_of  # tests/ is on the path of its top-level modules
-from prometheus_client import CollectorRegistry
+from inprocess import Node
 
 from gpud.core.ledger import UNIT, Allocation
-from gpud.host.config import Config
-from gpud.host.devices import simulated_gpus
 from gpud.host.logging import LineWriter
-from gpud.host.metrics import Metrics
 from gpud.host.store import BUSY_TIMEOUT_MS, Store, StoreError
-from gpud.serving.connections import handle_payload
-from gpud.serving.server import Daemon
-from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 
@@ -114,65 +104,24 @@ def test_a_state_directory_gpud_may_not_write_is_named(tmp_path: Path) -> None:
 # --- the daemon: a write that fails changes nothing ---------------------------------
 
 
-class Node:
-    """A daemon driven in-process; connections are ``fd=-1`` (answers queue in the outbox)."""
-
-    def __init__(self, state_dir: str) -> None:
-        config = Config(socket="/nonexistent", state_dir=state_dir, metrics_addr="off", reap_interval_s=0)
-        self.us = 10**12
-        self.daemon = Daemon(config, simulated_gpus("1x16GiB"), Metrics(CollectorRegistry()), clock=lambda: self.us)
-        self.codec = p.daemon_codec()
-        self.fail = False
-        real = self.daemon.allocations.store.write
-
-        def write(*args: Any, **kwargs: Any) -> None:
-            if self.fail:
-                raise StoreError("disk I/O error (injected)")
-            real(*args, **kwargs)
-
-        self.daemon.allocations.store.write = write  # type: ignore[method-assign]
-
-    def connect(self, name: str) -> ClientLink:
-        conn = self.daemon.links.open((os.getpid(), os.getuid(), os.getgid()), frozenset(), -1, trio.CancelScope())
-        assert isinstance(self.call(conn, p.Hello(id=1, version=p.PROTOCOL_VERSION, name=name))[0], p.Welcome)
-        return conn
-
-    def call(self, conn: ClientLink, msg: msgspec.Struct) -> list[Any]:
-        assert handle_payload(self.daemon, conn, msgspec.msgpack.encode(msg), self.codec)
-        return self.received(conn)
-
-    def received(self, conn: ClientLink) -> list[Any]:
-        frames = p.FrameDecoder(p.MAX_REPLY_BYTES).feed(b"".join(conn.pending))
-        conn.pending.clear()
-        conn.pending_bytes = 0
-        return [p.client_codec().decode(f) for f in frames]
-
-    def stored(self) -> list[str]:
-        with_store = Store(self.daemon.config.state_dir)
-        try:
-            return [a.task_id for a, _ in with_store.load().records]
-        finally:
-            with_store.close()
-
-
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(str(tmp_path / "state"))
+    n = Node("1x16GiB", state_dir=str(tmp_path / "state"))
     yield n
-    n.daemon.allocations.store.close()
+    n.close_store()
 
 
 def test_an_allocation_that_cannot_be_stored_is_refused_and_not_made(node: Node) -> None:
     a = node.connect("a")
     before = state_of(node.daemon.allocations.ledger)
-    node.fail = True
-    [answer] = node.call(a, p.Allocate(id=5, task_id="job-1", gpus=0.5))
+    node.failing_writes = True
+    [answer] = a.exchange(p.Allocate(id=5, task_id="job-1", gpus=0.5))
     assert isinstance(answer, p.Error) and answer.id == 5 and answer.code == p.ErrorCode.STORE_FAILED
     assert "task 'job-1' was not allocated: the store could not record it (disk I/O error" in answer.message
     assert state_of(node.daemon.allocations.ledger) == before
     assert "job-1" not in node.daemon.allocations.uids and node.stored() == []
-    node.fail = False
-    [answer] = node.call(a, p.Allocate(id=6, task_id="job-1", gpus=0.5))
+    node.failing_writes = False
+    [answer] = a.exchange(p.Allocate(id=6, task_id="job-1", gpus=0.5))
     assert isinstance(answer, p.Allocated) and node.stored() == ["job-1"]
 
 
@@ -180,47 +129,47 @@ def test_a_free_that_cannot_be_stored_keeps_the_allocation_and_its_waiter_waitin
     """The free would serve a waiter: both stay as they were, nothing is answered to the
     waiter, and the same free later both frees and serves (stored in one transaction)."""
     a, b = node.connect("a"), node.connect("b")
-    assert isinstance(node.call(a, p.Allocate(id=1, task_id="first", gpus=1))[0], p.Allocated)
-    assert node.call(b, p.Allocate(id=2, task_id="second", gpus=1, wait_ms=60_000)) == []
+    assert isinstance(a.exchange(p.Allocate(id=1, task_id="first", gpus=1))[0], p.Allocated)
+    assert b.exchange(p.Allocate(id=2, task_id="second", gpus=1, wait_ms=60_000)) == []
     before = state_of(node.daemon.allocations.ledger)
-    node.fail = True
-    [answer] = node.call(a, p.Free(id=3, task_id="first"))
+    node.failing_writes = True
+    [answer] = a.exchange(p.Free(id=3, task_id="first"))
     assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.STORE_FAILED
     assert "task 'first' was not freed" in answer.message
     assert state_of(node.daemon.allocations.ledger) == before
-    assert node.received(b) == [] and set(node.daemon.allocations.waiters) == {"second"}
+    assert b.received() == [] and set(node.daemon.allocations.waiters) == {"second"}
     assert node.stored() == ["first"]
-    node.fail = False
-    assert isinstance(node.call(a, p.Free(id=4, task_id="first"))[0], p.Ok)
-    [served] = node.received(b)
+    node.failing_writes = False
+    assert isinstance(a.exchange(p.Free(id=4, task_id="first"))[0], p.Ok)
+    [served] = b.received()
     assert isinstance(served, p.Allocated) and served.id == 2 and served.task_id == "second"
     assert node.stored() == ["second"] and node.daemon.allocations.uids == {"second": os.getuid()}
 
 
 def test_a_reset_that_cannot_be_stored_releases_nothing(node: Node) -> None:
     a = node.connect("a")
-    node.call(a, p.Allocate(id=1, task_id="x", gpus=0.5))
-    node.fail = True
-    [answer] = node.call(a, p.ResetAllocations(id=2))
+    a.exchange(p.Allocate(id=1, task_id="x", gpus=0.5))
+    node.failing_writes = True
+    [answer] = a.exchange(p.ResetAllocations(id=2))
     assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.STORE_FAILED
     assert [al.task_id for al in node.daemon.allocations.ledger.allocations()] == ["x"] and node.stored() == ["x"]
 
 
 def test_locks_and_leases_are_served_while_the_store_fails(node: Node) -> None:
     a = node.connect("a")
-    node.fail = True
-    [attached] = node.call(a, p.Attach(id=1, gpu=0))
-    assert node.call(a, p.LockRequest(id=2, session=attached.session))[0] == p.LockOk(session=attached.session, grant=1)
-    [lease] = node.call(a, p.Acquire(id=3, gpu=0, task_type="ASR", max_wait_ms=0))
+    node.failing_writes = True
+    [attached] = a.exchange(p.Attach(id=1, gpu=0))
+    assert a.exchange(p.LockRequest(id=2, session=attached.session))[0] == p.LockOk(session=attached.session, grant=1)
+    [lease] = a.exchange(p.Acquire(id=3, gpu=0, task_type="ASR", max_wait_ms=0))
     assert isinstance(lease, p.LeaseResult)
 
 
 def test_requests_during_shutdown_are_refused_as_shutting_down(node: Node) -> None:
     a = node.connect("a")
     node.daemon.farewell("test")
-    assert isinstance(node.received(a)[0], p.Goodbye)
+    assert isinstance(a.received()[0], p.Goodbye)
     for msg in (p.Allocate(id=1, task_id="late", gpus=0.5), p.Free(id=2, task_id="late"), p.Status(id=3)):
-        [answer] = node.call(a, msg)
+        [answer] = a.exchange(msg)
         assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.SHUTTING_DOWN, answer
     assert node.stored() == []
 

@@ -29,9 +29,8 @@ async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:
             if delay > 0:
                 with trio.move_on_after(delay):
                     await slot.wake.wait()
-        now = daemon.now()
         try:
-            daemon.effects.carry_out(slot.scheduler.advance(now), now, slot)
+            tick_gpu(daemon, slot, daemon.now())
             failures = 0
         except Exception as exc:
             daemon.faults.record("timer", exc, gpu=slot.gpu.index)
@@ -54,10 +53,21 @@ async def run_allocations_timer(daemon: Daemon) -> None:
             await daemon.allocations_wake.wait()
         now = daemon.now()
         try:
-            daemon.allocations.advance(now)
-            if interval and now >= next_reap and not daemon.shutting_down:
-                daemon.allocations.reap(now)
+            tick_allocations(daemon, now, reap=bool(interval) and now >= next_reap)
         except Exception as exc:  # the tick is skipped; the next one tries again
             daemon.faults.record("allocator", exc)
         if now >= next_reap:
             next_reap = now + round(interval * 1e6)
+
+
+def tick_gpu(daemon: Daemon, slot: GpuSlot, now: int) -> None:
+    """What one GPU's timer does when it wakes: carry out what its scheduler decides at ``now``."""
+    daemon.effects.carry_out(slot.scheduler.advance(now), now, slot)
+
+
+def tick_allocations(daemon: Daemon, now: int, *, reap: bool) -> None:
+    """What the allocations' timer does when it wakes: expire waits; reclaim dead owners' allocations
+    if ``reap`` (never while shutting down)."""
+    daemon.allocations.advance(now)
+    if reap and not daemon.shutting_down:
+        daemon.allocations.reap(now)
