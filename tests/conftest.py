@@ -10,6 +10,9 @@ import pytest
 
 from gpud.tools.spawn import DaemonProcess
 
+# Daemons start forked from a process that imported gpud once: hundreds of starts, each
+# without an interpreter's start-up and gpud's imports (gpud/tools/spawn.py).
+DaemonProcess.preload = True
 TESTS = Path(__file__).parent
 TIERS = {"core": "core", "client": "core", "integration": "integration",
          "test_daemon_sim.py": "sim", "test_fuzz_handling.py": "sim",  # long seeded or generated runs
