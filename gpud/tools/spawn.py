@@ -34,8 +34,9 @@ class Proc(Protocol):
     """What a started daemon offers: the part of ``subprocess.Popen`` the callers use."""
 
     pid: int
-    returncode: int | None
 
+    @property
+    def returncode(self) -> int | None: ...
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
     def send_signal(self, sig: int) -> None: ...
@@ -88,9 +89,10 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        if self._process.exitcode is None:
+        code = self.returncode
+        if code is None:
             raise subprocess.TimeoutExpired("gpud", timeout or 0.0)
-        return self._process.exitcode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
@@ -119,16 +121,18 @@ class DaemonProcess:
         if not any(a.startswith("--state-dir") for a in self.args):
             extra += ["--state-dir", os.path.join(self.workdir, "state")]
         argv = ["--socket", self.socket, "--log-format", "json", *extra, *self.args]
+        proc: Proc
         if self.preload and Forked.usable():
-            self.proc = Forked(argv, str(self.log_path))
+            proc = Forked(argv, str(self.log_path))
         else:
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen([sys.executable, "-m", "gpud.main", *argv], stdout=log, stderr=log,
-                                             stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen([sys.executable, "-m", "gpud.main", *argv], stdout=log, stderr=log,
+                                        stdin=subprocess.DEVNULL)
+        self.proc = proc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gpud exited with {self.proc.returncode}:\n{self.log()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"gpud exited with {proc.returncode}:\n{self.log()}")
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(self.socket)
