@@ -143,13 +143,15 @@ async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,
     inherited = systemd.listen_fds()
     listener, own_socket = await open_listener(config, inherited[0] if inherited else None)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve, daemon, listener)
-            systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
-            interval = systemd.watchdog_interval_s()
-            if interval:
-                nursery.start_soon(_watchdog, daemon, interval)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # Signals are caught before READY=1: a reload or stop sent as soon as systemd (or anyone)
+        # hears READY must find gpud's handlers, not the default actions that end the process.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve, daemon, listener)
+                systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
+                interval = systemd.watchdog_interval_s()
+                if interval:
+                    nursery.start_soon(_watchdog, daemon, interval)
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         _reload(daemon, reload_config)

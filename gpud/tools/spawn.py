@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import socket
@@ -45,7 +46,7 @@ class Proc(Protocol):
 
 
 def _run_daemon(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """In the forked process: the caller's environment and directory, the log as stdout and
+    """In the forked process: the caller's environment (as given) and directory, the log as stdout and
     stderr, then gpud's own entry point, as ``python -m gpud.main`` runs it."""
     os.environ.clear()
     os.environ.update(env)
@@ -70,12 +71,12 @@ class Forked:
         from this process's path, a fresh interpreter from the new one (a stand-in NVML module)."""
         return os.environ.get("PYTHONPATH") == _PYTHONPATH_AT_START
 
-    def __init__(self, argv: list[str], log_path: str) -> None:
+    def __init__(self, argv: list[str], log_path: str, env: dict[str, str]) -> None:
         if Forked._context is None:
             Forked._context = multiprocessing.get_context("forkserver")
             Forked._context.set_forkserver_preload(["gpud.main"])
         self._process = Forked._context.Process(
-            target=_run_daemon, args=(argv, log_path, dict(os.environ), os.getcwd()), name="gpud", daemon=False)
+            target=_run_daemon, args=(argv, log_path, env, os.getcwd()), name="gpud", daemon=False)
         self._process.start()
         self.pid: int = self._process.pid
 
@@ -117,31 +118,51 @@ class DaemonProcess:
         self.proc: Proc | None = None
 
     def start(self, timeout: float = 10.0) -> DaemonProcess:
+        """Start the daemon and return once it says READY=1 on its notify socket, as systemd
+        would hear it (or, when the caller's environment names a notify socket of its own,
+        once its socket accepts a connection)."""
         extra = [] if any(a.startswith("--metrics-addr") for a in self.args) else ["--metrics-addr", "off"]
         if not any(a.startswith("--state-dir") for a in self.args):
             extra += ["--state-dir", os.path.join(self.workdir, "state")]
         argv = ["--socket", self.socket, "--log-format", "json", *extra, *self.args]
+        env = dict(os.environ)
+        notify = None
+        if "NOTIFY_SOCKET" not in env:
+            notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            notify.bind(os.path.join(self.workdir, f"notify-{time.monotonic_ns()}"))
+            env["NOTIFY_SOCKET"] = notify.getsockname()
         proc: Proc
-        if self.preload and Forked.usable():
-            proc = Forked(argv, str(self.log_path))
-        else:
-            with open(self.log_path, "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "gpud.main", *argv], stdout=log, stderr=log,
-                                        stdin=subprocess.DEVNULL)
-        self.proc = proc
-        deadline = time.monotonic() + timeout
+        try:
+            if self.preload and Forked.usable():
+                proc = Forked(argv, str(self.log_path), env)
+            else:
+                with open(self.log_path, "ab") as log:
+                    proc = subprocess.Popen([sys.executable, "-m", "gpud.main", *argv], stdout=log, stderr=log,
+                                            stdin=subprocess.DEVNULL, env=env)
+            self.proc = proc
+            if self._ready(proc, notify, time.monotonic() + timeout):
+                return self
+        finally:
+            if notify is not None:
+                os.unlink(notify.getsockname())
+                notify.close()
+        raise RuntimeError(f"gpud did not get ready on {self.socket} within {timeout}s:\n{self.log()}")
+
+    def _ready(self, proc: Proc, notify: socket.socket | None, deadline: float) -> bool:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"gpud exited with {proc.returncode}:\n{self.log()}")
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(self.socket)
-                return self
-            except OSError:
-                time.sleep(0.02)
-            finally:
-                s.close()
-        raise RuntimeError(f"gpud did not listen on {self.socket} within {timeout}s:\n{self.log()}")
+            if notify is not None:
+                if select.select([notify], [], [], 0.05)[0] and b"READY=1" in notify.recv(4096).split(b"\n"):
+                    return True
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(self.socket)
+                    return True
+                except OSError:
+                    time.sleep(0.02)
+        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -208,3 +208,24 @@ def test_sigterm_tells_clients_and_exits_0_within_2s() -> None:
         assert not os.path.exists(d.socket)
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_signal_sent_the_moment_ready_is_heard_is_handled(sig: signal.Signals) -> None:
+    """systemd may send ExecReload's SIGHUP or a stop's SIGTERM as soon as READY=1 arrives (spawn
+    waits for READY=1 on its notify socket too): gpud's handlers must be in place by then, not
+    the default actions, which end the process."""
+    from gpud.tools.spawn import DaemonProcess
+
+    d = DaemonProcess("--simulate", "1").start()
+    try:
+        assert d.proc is not None
+        d.proc.send_signal(sig)
+        if sig == signal.SIGHUP:
+            eventually(lambda: '"config_reloaded"' in d.log(), "config_reloaded in the log", why=d.log)
+            assert d.proc.poll() is None
+        else:
+            assert d.proc.wait(5) == 0, d.log()
+            assert '"shutdown"' in d.log()
+    finally:
+        d.cleanup()
