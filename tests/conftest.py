@@ -17,15 +17,20 @@ TESTS = Path(__file__).parent
 TIERS = {"core": "core", "client": "core", "integration": "integration",
          "test_daemon_sim.py": "sim", "test_fuzz_handling.py": "sim",  # long seeded or generated runs
          "test_demo.py": "integration"}  # the demo's own daemon and client processes
+# Files whose tests run on one worker together when the suite runs in parallel (make test):
+# each starts Ray clusters, and two at once would only slow each other down.
+TOGETHER = {"test_ray.py": "ray", "test_ray_nodes.py": "ray"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test's tier, by where it lives: tests/core and tests/client are ``core``, tests/integration
     and the demo ``integration``, the whole-daemon simulation and the request fuzz ``sim``, the rest
-    of tests/ ``inprocess``."""
+    of tests/ ``inprocess``. And its group for ``pytest -n N --dist loadgroup``: its file (a module's
+    fixtures are made once), or a group of files that must not run at the same time."""
     for item in items:
         parts = Path(str(item.fspath)).relative_to(TESTS).parts
         item.add_marker(TIERS.get(parts[0], TIERS.get(parts[-1], "inprocess")))
+        item.add_marker(pytest.mark.xdist_group(TOGETHER.get(parts[-1], "/".join(parts))))
 
 
 @pytest.fixture
