@@ -42,12 +42,10 @@ import hashlib
 import logging
 import os
 import re
-import signal
 import socket as _socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, TypeVar, overload
 
 import msgspec
@@ -56,12 +54,15 @@ try:
     from airflow.sdk import BaseOperator, Context, get_current_context
     from airflow.sdk.exceptions import AirflowException, AirflowFailException
 except ImportError as exc:  # the base client needs msgspec alone; this module needs Airflow too
-    raise ImportError(f"gpud_client.airflow needs Airflow: pip install './client[airflow]' from a checkout of gpud ({exc})") from exc
+    raise ImportError(
+        f"gpud_client.airflow needs Airflow: pip install './client[airflow]' from a checkout of gpud ({exc})"
+    ) from exc
 
 from gpud_client import protocol as p
 from gpud_client.client import Client
 from gpud_client.core.messages import allocate_msg
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.taskenv import ProcessChanges, allocation_env
 
 __all__ = [
     "XCOM_KEY",
@@ -78,7 +79,6 @@ __all__ = [
 log = logging.getLogger("gpud_client.airflow")
 F = TypeVar("F", bound=Callable[..., Any])
 XCOM_KEY = "gpud_allocation"
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUD_TASK_ID", "GPUD_GPU_SHARE", "GPUD_CPUS", "GPUD_SOCKET")
 _MAX_ID = 256  # protocol.TaskId
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+=-]")
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
@@ -123,8 +123,17 @@ class GpuRequest:
             raise ValueError(f"gpu_resources: {exc}") from None
 
     def message(self, task_id: str, owner_pid: int | None) -> p.Allocate:
-        return allocate_msg(task_id, self.gpus, self.cpus, list(self.prefer), self.strategy, self.tenant,
-                            self.priority, round(self.wait * 1000), owner_pid)
+        return allocate_msg(
+            task_id,
+            self.gpus,
+            self.cpus,
+            list(self.prefer),
+            self.strategy,
+            self.tenant,
+            self.priority,
+            round(self.wait * 1000),
+            owner_pid,
+        )
 
 
 def gpud_task_id(dag_id: str, run_id: str, task_id: str, map_index: int | None = -1) -> str:
@@ -137,14 +146,16 @@ def gpud_task_id(dag_id: str, run_id: str, task_id: str, map_index: int | None =
     if clean == raw and len(raw) <= _MAX_ID:
         return raw
     digest = hashlib.sha256(raw.encode()).hexdigest()[:12]
-    return f"{clean[:_MAX_ID - 13]}@{digest}"
+    return f"{clean[: _MAX_ID - 13]}@{digest}"
 
 
 def current_allocation() -> p.Allocated:
     """The running task's allocation (task_id, gpus, uuids, share, cpus, cuda_visible_devices, ...)."""
     if not _current:
-        raise RuntimeError("no gpud allocation: call current_allocation() inside a task run with "
-                           "@gpu_resources or a GpuResourcesMixin operator")
+        raise RuntimeError(
+            "no gpud allocation: call current_allocation() inside a task run with "
+            "@gpu_resources or a GpuResourcesMixin operator"
+        )
     return _current[-1]
 
 
@@ -157,16 +168,23 @@ def _holding(request: GpuRequest, context: Context) -> Iterator[p.Allocated]:
     ti = context["ti"]
     task_id = gpud_task_id(ti.dag_id, ti.run_id, ti.task_id, ti.map_index)
     client = _connect(request, task_id, ti)
-    stack = _Restore()
+    stack = ProcessChanges()
     try:
-        stack.on_sigterm(task_id)
+        # Airflow's SIGTERM handler calls the operator's on_kill(); the task also stops, so this cleanup runs
+        stack.on_sigterm(lambda: Terminated(f"SIGTERM from Airflow: task {task_id} stops and its GPUs are freed"))
         _free_earlier_try(client, task_id)
         allocated = _allocate(client, request, task_id)
-        stack.environment(allocated, client.path)
+        stack.environment(allocation_env(allocated, client.path))
         stack.affinity(allocated.cpus)
         _current.append(allocated)
-        log.info("gpud gave %s GPU %s (share %g) and CPU cores %s, waited %.0f ms", task_id, allocated.gpus,
-                 allocated.share, allocated.cpus or "-", allocated.waited_ms)
+        log.info(
+            "gpud gave %s GPU %s (share %g) and CPU cores %s, waited %.0f ms",
+            task_id,
+            allocated.gpus,
+            allocated.share,
+            allocated.cpus or "-",
+            allocated.waited_ms,
+        )
         ti.xcom_push(key=XCOM_KEY, value=_as_dict(allocated))
         yield allocated
     finally:
@@ -177,14 +195,24 @@ def _holding(request: GpuRequest, context: Context) -> Iterator[p.Allocated]:
 
 
 def _connect(request: GpuRequest, task_id: str, ti: Any) -> Client:
-    labels = {"airflow_dag": ti.dag_id, "airflow_run": ti.run_id, "airflow_task": ti.task_id,
-              "airflow_map_index": str(ti.map_index), "airflow_try": str(ti.try_number)}
+    labels = {
+        "airflow_dag": ti.dag_id,
+        "airflow_run": ti.run_id,
+        "airflow_task": ti.task_id,
+        "airflow_map_index": str(ti.map_index),
+        "airflow_try": str(ti.try_number),
+    }
     try:
-        return Client(request.socket, name=f"airflow:{os.getpid()}",
-                      labels={k: _UNPRINTABLE.sub("?", v)[:128] for k, v in labels.items()})
+        return Client(
+            request.socket,
+            name=f"airflow:{os.getpid()}",
+            labels={k: _UNPRINTABLE.sub("?", v)[:128] for k, v in labels.items()},
+        )
     except DaemonUnavailable as exc:
-        raise GpuResourcesUnavailable(f"no gpud on Airflow worker {_socket.gethostname()} for {task_id}: {exc}. "
-                                      "Run gpud on every GPU worker (or set GPUD_SOCKET for the worker)") from None
+        raise GpuResourcesUnavailable(
+            f"no gpud on Airflow worker {_socket.gethostname()} for {task_id}: {exc}. "
+            "Run gpud on every GPU worker (or set GPUD_SOCKET for the worker)"
+        ) from None
 
 
 def _free_earlier_try(client: Client, task_id: str) -> None:
@@ -201,8 +229,9 @@ def _free_earlier_try(client: Client, task_id: str) -> None:
 def _allocate(client: Client, request: GpuRequest, task_id: str) -> p.Allocated:
     asked = f"{request.gpus:g} GPU(s)" + (f" and {request.cpus} CPU core(s)" if request.cpus else "")
     try:  # the message checked when the DAG was parsed, as it is: the wait plus a round trip
-        allocated: p.Allocated = client.call(request.message(task_id, os.getpid()),
-                                             timeout=request.wait + client.request_timeout)
+        allocated: p.Allocated = client.call(
+            request.message(task_id, os.getpid()), timeout=request.wait + client.request_timeout
+        )
         return allocated
     except ProtocolError as exc:
         where = f"gpud on {_socket.gethostname()} did not give {task_id} {asked}"
@@ -229,8 +258,11 @@ def _release(client: Client, task_id: str) -> None:
         if exc.code != p.ErrorCode.UNKNOWN_TASK:
             log.warning("gpud refused to free %s: %s", task_id, exc)
     except GpudError as exc:
-        log.warning("could not free %s now (gpud reclaims it when this process exits, or the next try "
-                    "frees it): %s", task_id, exc)
+        log.warning(
+            "could not free %s now (gpud reclaims it when this process exits, or the next try frees it): %s",
+            task_id,
+            exc,
+        )
 
 
 def _as_dict(allocated: p.Allocated) -> dict[str, Any]:
@@ -238,66 +270,6 @@ def _as_dict(allocated: p.Allocated) -> dict[str, Any]:
     data.pop("id", None)
     data.pop("type", None)
     return data
-
-
-class _Restore:
-    """What a try changed in this process, and how to put it back."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def on_sigterm(self, task_id: str) -> None:
-        try:
-            previous = signal.getsignal(signal.SIGTERM)
-        except ValueError:  # pragma: no cover - not the main thread: Airflow runs tasks in it
-            return
-
-        def terminate(signum: int, frame: FrameType | None) -> None:
-            if callable(previous):
-                previous(signum, frame)  # Airflow's: the operator's on_kill()
-            raise Terminated(f"SIGTERM from Airflow: task {task_id} stops and its GPUs are freed")
-
-        try:
-            signal.signal(signal.SIGTERM, terminate)
-        except ValueError:  # pragma: no cover - not the main thread
-            return
-
-        def put_back() -> None:
-            signal.signal(signal.SIGTERM, previous)
-
-        self._undo.append(put_back)
-
-    def environment(self, allocated: p.Allocated, socket_path: str) -> None:
-        saved = {k: os.environ.get(k) for k in ENV_KEYS}
-        os.environ.update({
-            # gpud's indices are NVML's, in PCI bus order; CUDA's default order may differ
-            "CUDA_VISIBLE_DEVICES": allocated.cuda_visible_devices, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "GPUD_TASK_ID": allocated.task_id,
-            "GPUD_GPU_SHARE": f"{allocated.share:g}", "GPUD_CPUS": ",".join(map(str, allocated.cpus)),
-            "GPUD_SOCKET": socket_path,
-        })
-
-        def put_back() -> None:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-        self._undo.append(put_back)
-
-    def affinity(self, cpus: list[int]) -> None:
-        if not cpus:
-            return
-        saved = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, cpus)
-        self._undo.append(lambda: os.sched_setaffinity(0, saved))
-
-    def undo(self) -> None:
-        """In the order of the changes: the SIGTERM handler first."""
-        undo, self._undo = self._undo, []
-        for step in undo:
-            step()
 
 
 # --- the two ways in ----------------------------------------------------------------------------
@@ -309,20 +281,44 @@ def gpu_resources(fn: F, /) -> F: ...
 
 @overload
 def gpu_resources(
-    fn: None = None, /, *, gpus: float = 1, cpus: int = 0, wait: float = 0.0, priority: int | str | None = None,
-    tenant: str | None = None, strategy: str = "first_fit", prefer: list[int | str] | None = None,
+    fn: None = None,
+    /,
+    *,
+    gpus: float = 1,
+    cpus: int = 0,
+    wait: float = 0.0,
+    priority: int | str | None = None,
+    tenant: str | None = None,
+    strategy: str = "first_fit",
+    prefer: list[int | str] | None = None,
     socket: str | None = None,
 ) -> Callable[[F], F]: ...
 
 
 def gpu_resources(
-    fn: F | None = None, /, *, gpus: float = 1, cpus: int = 0, wait: float = 0.0, priority: int | str | None = None,
-    tenant: str | None = None, strategy: str = "first_fit", prefer: list[int | str] | None = None,
+    fn: F | None = None,
+    /,
+    *,
+    gpus: float = 1,
+    cpus: int = 0,
+    wait: float = 0.0,
+    priority: int | str | None = None,
+    tenant: str | None = None,
+    strategy: str = "first_fit",
+    prefer: list[int | str] | None = None,
     socket: str | None = None,
 ) -> F | Callable[[F], F]:
     """Wrap a TaskFlow task's function (put ``@task`` above it): it runs holding its allocation."""
-    request = GpuRequest(gpus=gpus, cpus=cpus, wait=wait, priority=priority, tenant=tenant, strategy=strategy,
-                         prefer=tuple(prefer or ()), socket=socket)
+    request = GpuRequest(
+        gpus=gpus,
+        cpus=cpus,
+        wait=wait,
+        priority=priority,
+        tenant=tenant,
+        strategy=strategy,
+        prefer=tuple(prefer or ()),
+        socket=socket,
+    )
 
     def wrap(func: F) -> F:
         @functools.wraps(func)  # keeps the signature: @task injects context arguments by name
@@ -345,12 +341,28 @@ class GpuResourcesMixin(BaseOperator):
     gpu_request: GpuRequest
 
     def __init__(
-        self, *, gpus: float = 1, cpus: int = 0, wait: float = 0.0, priority: int | str | None = None,
-        tenant: str | None = None, strategy: str = "first_fit", prefer: list[int | str] | None = None,
-        socket: str | None = None, **kwargs: Any,
+        self,
+        *,
+        gpus: float = 1,
+        cpus: int = 0,
+        wait: float = 0.0,
+        priority: int | str | None = None,
+        tenant: str | None = None,
+        strategy: str = "first_fit",
+        prefer: list[int | str] | None = None,
+        socket: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        request = GpuRequest(gpus=gpus, cpus=cpus, wait=wait, priority=priority, tenant=tenant,
-                             strategy=strategy, prefer=tuple(prefer or ()), socket=socket)
+        request = GpuRequest(
+            gpus=gpus,
+            cpus=cpus,
+            wait=wait,
+            priority=priority,
+            tenant=tenant,
+            strategy=strategy,
+            prefer=tuple(prefer or ()),
+            socket=socket,
+        )
         super().__init__(**kwargs)
         self.gpu_request = request
 

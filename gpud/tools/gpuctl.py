@@ -29,6 +29,7 @@ from gpud.tools.top import run as run_top
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.taskenv import allocation_env
 from gpud_client.units import fixed_gpus, format_bytes, parse_bytes, printable
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -83,7 +84,9 @@ def render_status(reply: p.StatusReply) -> str:
     rows = []
     for g in reply.gpus:
         holder = ", ".join(
-            _who(h.name, h.pid, h.session) + f" {h.held_ms / 1000:.1f}s" + (f" (drop:{h.drop_pending})" if h.drop_pending else "")
+            _who(h.name, h.pid, h.session)
+            + f" {h.held_ms / 1000:.1f}s"
+            + (f" (drop:{h.drop_pending})" if h.drop_pending else "")
             for h in g.holders
         )
         queue = ", ".join(_who(w.name, w.pid, w.session) + (" (throttled)" if w.throttled else "") for w in g.queue)
@@ -136,8 +139,20 @@ def render_clients(reply: p.ClientsReply) -> str:
                     _drops(s.drops) + (f" revoked={s.revocations}" if s.revocations else ""),
                 ]
             )
-    header = ["CLIENT", "NAME", "PID", "GPU#SESSION", "STATE", "LIMIT", "WINDOW", "RECENT", "MEM USED/LIMIT",
-              "GRANTS", "WAITED", "DROPS"]
+    header = [
+        "CLIENT",
+        "NAME",
+        "PID",
+        "GPU#SESSION",
+        "STATE",
+        "LIMIT",
+        "WINDOW",
+        "RECENT",
+        "MEM USED/LIMIT",
+        "GRANTS",
+        "WAITED",
+        "DROPS",
+    ]
     return _table(rows, header)
 
 
@@ -147,9 +162,15 @@ def render_leases(reply: p.LeasesReply) -> str:
         trace = " ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(le.trace).items() if v is not None)
         rows.append(
             [
-                str(le.gpu), le.lease_id, le.task_type, le.state + (" OVERDUE" if le.overdue else ""),
-                str(le.priority), f"{le.name or '?'}[{le.pid}]", f"{le.waited_ms:.1f}ms",
-                f"{le.held_ms:.1f}ms" if le.state == "holding" else "-", trace or "-",
+                str(le.gpu),
+                le.lease_id,
+                le.task_type,
+                le.state + (" OVERDUE" if le.overdue else ""),
+                str(le.priority),
+                f"{le.name or '?'}[{le.pid}]",
+                f"{le.waited_ms:.1f}ms",
+                f"{le.held_ms:.1f}ms" if le.state == "holding" else "-",
+                trace or "-",
             ]
         )
     header = ["GPU", "LEASE", "TASK", "STATE", "PRIO", "CLIENT", "WAITED", "HELD", "TRACE"]
@@ -166,13 +187,22 @@ def render_policies(reply: p.PoliciesReply) -> str:
 
 def render_allocs(reply: p.AllocationsReply) -> str:
     rows = [
-        [a.task_id, a.cuda_visible_devices or "-", f"{a.share:g}" if a.gpus else "-", _cpuset(a.cpus),
-         a.tenant or "-", str(a.priority), str(a.owner_pid or "-")]
+        [
+            a.task_id,
+            a.cuda_visible_devices or "-",
+            f"{a.share:g}" if a.gpus else "-",
+            _cpuset(a.cpus),
+            a.tenant or "-",
+            str(a.priority),
+            str(a.owner_pid or "-"),
+        ]
         for a in reply.allocations
     ]
     out = [_table(rows, ["TASK", "GPUS", "SHARE", "CPUS", "TENANT", "PRIO", "OWNER"]) if rows else "no allocations"]
-    gpu_rows = [[str(g.index), f"{g.allocated:g}", f"{g.free:g}", ", ".join(f"{t}:{v:g}" for t, v in g.tasks.items()) or "-"]
-                for g in reply.gpus]
+    gpu_rows = [
+        [str(g.index), f"{g.allocated:g}", f"{g.free:g}", ", ".join(f"{t}:{v:g}" for t, v in g.tasks.items()) or "-"]
+        for g in reply.gpus
+    ]
     out += ["", _table(gpu_rows, ["GPU", "ALLOCATED", "FREE", "TASKS"])]
     out += [f"CPU cores: {reply.cpus_total - len(reply.cpus_free)} of {reply.cpus_total} allocated"]
     if reply.waiting:
@@ -184,17 +214,6 @@ def render_allocs(reply: p.AllocationsReply) -> str:
 
 def _cpuset(cpus: list[int]) -> str:
     return ",".join(map(str, cpus)) or "-"
-
-
-def alloc_env(reply: p.Allocated) -> dict[str, str]:
-    """What a task runs with: its devices, in gpud's (PCI bus) order, and its CPU cores."""
-    return {
-        "CUDA_VISIBLE_DEVICES": reply.cuda_visible_devices,
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # gpud's indices are NVML's, in PCI bus order; CUDA's default may differ
-        "GPUD_TASK_ID": reply.task_id,
-        "GPUD_GPU_SHARE": f"{reply.share:g}",
-        "GPUD_CPUS": _cpuset(reply.cpus) if reply.cpus else "",
-    }
 
 
 def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str, **extra: Any) -> None:
@@ -216,11 +235,27 @@ def _done(args: argparse.Namespace, what: str, **fields: Any) -> None:
 
 # The flag (or argument) each request field comes from, for messages.
 _FLAGS = {
-    "task_id": "--task", "gpus": "--gpus", "cpus": "--cpus", "prefer": "--prefer", "strategy": "--strategy",
-    "tenant": "--tenant", "priority": "--priority", "priority_class": "--priority", "wait_ms": "--wait",
-    "owner_pid": "--owner-pid", "seconds": "SECONDS", "gpu": "--gpu", "client": "CLIENT", "core_limit": "--core",
-    "mem_limit": "--mem", "task_type": "TASK_TYPE", "max_wait_ms": "--max-wait", "queue_limit": "--queue-limit",
-    "hold_max_ms": "--hold-max", "busy_policy": "--busy", "mode": "MODE",
+    "task_id": "--task",
+    "gpus": "--gpus",
+    "cpus": "--cpus",
+    "prefer": "--prefer",
+    "strategy": "--strategy",
+    "tenant": "--tenant",
+    "priority": "--priority",
+    "priority_class": "--priority",
+    "wait_ms": "--wait",
+    "owner_pid": "--owner-pid",
+    "seconds": "SECONDS",
+    "gpu": "--gpu",
+    "client": "CLIENT",
+    "core_limit": "--core",
+    "mem_limit": "--mem",
+    "task_type": "TASK_TYPE",
+    "max_wait_ms": "--max-wait",
+    "queue_limit": "--queue-limit",
+    "hold_max_ms": "--hold-max",
+    "busy_policy": "--busy",
+    "mode": "MODE",
 }
 
 
@@ -277,8 +312,11 @@ def cmd_leases(args: argparse.Namespace) -> None:
 
 def cmd_policy(args: argparse.Namespace) -> None:
     fields = {
-        "priority": args.priority, "busy_policy": args.busy, "max_wait_ms": args.max_wait,
-        "queue_limit": args.queue_limit, "hold_max_ms": args.hold_max,
+        "priority": args.priority,
+        "busy_policy": args.busy,
+        "max_wait_ms": args.max_wait,
+        "queue_limit": args.queue_limit,
+        "hold_max_ms": args.hold_max,
     }
     changes = {k: v for k, v in fields.items() if v is not None}
     if changes and args.task_type is None:
@@ -297,17 +335,26 @@ def cmd_policy(args: argparse.Namespace) -> None:
 
 def cmd_alloc(args: argparse.Namespace) -> None:
     if args.gpus == 0 and args.cpus == 0:
-        raise UsageError("argument --gpus: 0 asks for no GPU: add --cpus N for CPU cores alone, "
-                         "or ask for --gpus 1 or a fraction such as 0.5")
+        raise UsageError(
+            "argument --gpus: 0 asks for no GPU: add --cpus N for CPU cores alone, "
+            "or ask for --gpus 1 or a fraction such as 0.5"
+        )
     priority: int | str | None = args.priority
     msg = _message(
-        p.Allocate, task_id=args.task, gpus=args.gpus, cpus=args.cpus, prefer=args.prefer, strategy=args.strategy,
-        tenant=args.tenant, priority=priority if isinstance(priority, int) else None,
-        priority_class=priority if isinstance(priority, str) else None, wait_ms=args.wait_ms,
+        p.Allocate,
+        task_id=args.task,
+        gpus=args.gpus,
+        cpus=args.cpus,
+        prefer=args.prefer,
+        strategy=args.strategy,
+        tenant=args.tenant,
+        priority=priority if isinstance(priority, int) else None,
+        priority_class=priority if isinstance(priority, str) else None,
+        wait_ms=args.wait_ms,
         owner_pid=args.owner_pid,
     )
     reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
-    env = alloc_env(reply)
+    env = allocation_env(reply)
     if args.json:
         _emit(args, reply, "", env=env)
     else:
@@ -334,13 +381,21 @@ def cmd_limit(args: argparse.Namespace) -> None:
     msg = _message(p.SetLimits, client=args.client, gpu=args.gpu, core_limit=args.core, mem_limit=args.mem)
     reply = _call(args, msg)
     what = ", ".join(
-        x for x in (
+        x
+        for x in (
             None if args.core is None else f"core {args.core}%",
             None if args.mem is None else ("memory unlimited" if args.mem == 0 else f"memory {format_bytes(args.mem)}"),
-        ) if x
+        )
+        if x
     )
-    _done(args, f"{what} for client {args.client}, session(s) {', '.join(map(str, reply.sessions))}",
-          client=args.client, sessions=reply.sessions, core_limit=args.core, mem_limit=args.mem)
+    _done(
+        args,
+        f"{what} for client {args.client}, session(s) {', '.join(map(str, reply.sessions))}",
+        client=args.client,
+        sessions=reply.sessions,
+        core_limit=args.core,
+        mem_limit=args.mem,
+    )
 
 
 # --- checking what gpuctl is given: argparse names the flag, each message the bounds and unit ---
@@ -355,8 +410,9 @@ def _bounds(limit: Any, scale: float = 1) -> str:
     return f"{_num(meta.ge / scale)}..{_num(meta.le / scale)}"
 
 
-def _limited(limit: Any, parse: Callable[[str], float], unit: str = "", *, what: str = "",
-             scale: int = 1) -> Callable[[str], Any]:
+def _limited(
+    limit: Any, parse: Callable[[str], float], unit: str = "", *, what: str = "", scale: int = 1
+) -> Callable[[str], Any]:
     """An argparse type held to one of the protocol's limits, so gpuctl keeps no copy of them.
     ``scale``: the protocol's units per the flag's (1000: the flag is in seconds, the wire in ms)."""
     subject = f"{what} " if what else ""
@@ -370,7 +426,9 @@ def _limited(limit: Any, parse: Callable[[str], float], unit: str = "", *, what:
         except msgspec.ValidationError:  # a ValueError too: first
             raise argparse.ArgumentTypeError(f"{subject}must be {_bounds(limit, scale)}{unit}, got {text}") from None
         except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{subject}must be {_bounds(limit, scale)}{unit}{whole}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{subject}must be {_bounds(limit, scale)}{unit}{whole}, got {text!r}"
+            ) from None
 
     return check
 
@@ -404,7 +462,8 @@ def _gpus(text: str) -> float:
         value = float("nan")
     if not (value >= 1 and value.is_integer() or 0 <= value < 1):  # nan and inf fail both
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of GPUs >= 1 or a fraction 0 < x < 1 of one GPU, got {text!r}")
+            f"must be a whole number of GPUs >= 1 or a fraction 0 < x < 1 of one GPU, got {text!r}"
+        )
     try:
         msgspec.convert(value, p.Gpus)
         fixed_gpus(value)
@@ -425,7 +484,8 @@ def _owner_pid(text: str) -> int:
         os.kill(pid, 0)
     except ProcessLookupError:
         raise argparse.ArgumentTypeError(
-            f"no process {pid} on this machine: gpud would reclaim the allocation at once") from None
+            f"no process {pid} on this machine: gpud would reclaim the allocation at once"
+        ) from None
     except PermissionError:
         pass  # it exists, as another user's
     return pid
@@ -488,7 +548,8 @@ def _prefer_arg(text: str) -> list[int | str]:
 def _size_arg(text: str) -> int:
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} is negative, and negative sizes are not allowed (0 lifts the limit)")
+            f"not a size: {text!r} is negative, and negative sizes are not allowed (0 lifts the limit)"
+        )
     try:
         size: int = msgspec.convert(parse_bytes(text), p.Bytes)
     except msgspec.ValidationError:  # a ValueError too: first
@@ -555,8 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--socket", default=argparse.SUPPRESS, help="gpud socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)"
     )
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output; errors as JSON on stderr")
+    common.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="machine-readable output; errors as JSON on stderr",
+    )
     ap = _Parser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
     ap.add_argument("--version", action=_Version, help="print gpuctl's, gpud's and gpud-client's versions")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -592,10 +657,18 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--gpu", type=_gpu_arg, help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
     alloc = sub.add_parser("alloc", parents=[common], help="assign GPUs/CPU cores to a task; prints shell exports")
-    alloc.add_argument("--task", type=_task_id, required=True,
-                       help="the task id (the same id with the same terms again: the same allocation)")
-    alloc.add_argument("--gpus", type=_gpus, default=1.0,
-                       help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1)")
+    alloc.add_argument(
+        "--task",
+        type=_task_id,
+        required=True,
+        help="the task id (the same id with the same terms again: the same allocation)",
+    )
+    alloc.add_argument(
+        "--gpus",
+        type=_gpus,
+        default=1.0,
+        help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1)",
+    )
     alloc.add_argument("--cpus", type=_cpus, default=0, help="CPU cores (default 0)")
     alloc.add_argument("--prefer", type=_prefer_arg, default=[], help="GPUs to try first, e.g. 2,3")
     alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
@@ -603,10 +676,20 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument(
         "--priority", type=_priority_arg, help=f"{_bounds(p.Priority)} or production|high|normal|best-effort"
     )
-    alloc.add_argument("--wait", dest="wait_ms", type=_wait, default=0, metavar="SECONDS",
-                       help=f"wait up to this long for room ({_bounds(p.Millis, 1000)} seconds)")
-    alloc.add_argument("--owner-pid", type=_owner_pid, metavar="PID",
-                       help="reclaim the allocation when this process (of this machine) dies")
+    alloc.add_argument(
+        "--wait",
+        dest="wait_ms",
+        type=_wait,
+        default=0,
+        metavar="SECONDS",
+        help=f"wait up to this long for room ({_bounds(p.Millis, 1000)} seconds)",
+    )
+    alloc.add_argument(
+        "--owner-pid",
+        type=_owner_pid,
+        metavar="PID",
+        help="reclaim the allocation when this process (of this machine) dies",
+    )
     alloc.set_defaults(func=cmd_alloc)
     free = sub.add_parser("free", parents=[common], help="release a task's allocation")
     free.add_argument("--task", type=_task_id, required=True)
@@ -616,8 +699,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
-    pol.add_argument("task_type", type=_task_type, nargs="?", metavar="TASK_TYPE",
-                     help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name")
+    pol.add_argument(
+        "task_type",
+        type=_task_type,
+        nargs="?",
+        metavar="TASK_TYPE",
+        help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name",
+    )
     pol.add_argument("--priority", type=_priority, metavar=_bounds(p.Priority))
     pol.add_argument("--busy", choices=[b.value for b in p.BusyPolicy], help="busy policy")
     pol.add_argument("--max-wait", type=_max_wait, metavar="MS")
@@ -645,8 +733,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except _ShowVersion:
         v = versions()
-        print(json.dumps(v) if as_json else
-              f"gpuctl {v['gpuctl']} (gpud {v['gpud']}), gpud-client {v['gpud_client']}, protocol {v['protocol']}")
+        print(
+            json.dumps(v)
+            if as_json
+            else f"gpuctl {v['gpuctl']} (gpud {v['gpud']}), gpud-client {v['gpud_client']}, protocol {v['protocol']}"
+        )
         return 0
     except UsageError as exc:
         return _fail(as_json, "usage", exc.message, 2, f"{exc.usage}{exc.prog}: error: {exc.message}")
