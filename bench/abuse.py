@@ -220,14 +220,33 @@ def not_msgpack(a: Attack) -> None:
 
 
 NOT_A_MAP: tuple[object, ...] = (
-    [1, 2, 3], "STATUS", 42, None, True, 1.5, b"bin", [{"type": "STATUS", "id": 1}], 2**64 - 1, -(2**63),
+    [1, 2, 3],
+    "STATUS",
+    42,
+    None,
+    True,
+    1.5,
+    b"bin",
+    [{"type": "STATUS", "id": 1}],
+    2**64 - 1,
+    -(2**63),
     msgspec.msgpack.Ext(1, b"\x00" * 8),
 )
 UNKNOWN_TYPES: tuple[dict[Any, Any], ...] = (
-    {"type": "FORMAT_DISK", "id": 1}, {"type": 5, "id": 1}, {"type": None}, {"type": ["STATUS"]},
-    {"type": {"STATUS": 1}}, {"id": 1}, {}, {"type": "status", "id": 1}, {"type": "STATUS ", "id": 2**64 - 1},
-    {"type": "x" * 60_000, "id": 1}, {"type": "STATUS", "id": 1, "extra": 1}, {1: 2, "type": "STATUS"},
-    {"type": b"STATUS", "id": 1}, {"type": "\x00\x1b[2J", "id": -1},
+    {"type": "FORMAT_DISK", "id": 1},
+    {"type": 5, "id": 1},
+    {"type": None},
+    {"type": ["STATUS"]},
+    {"type": {"STATUS": 1}},
+    {"id": 1},
+    {},
+    {"type": "status", "id": 1},
+    {"type": "STATUS ", "id": 2**64 - 1},
+    {"type": "x" * 60_000, "id": 1},
+    {"type": "STATUS", "id": 1, "extra": 1},
+    {1: 2, "type": "STATUS"},
+    {"type": b"STATUS", "id": 1},
+    {"type": "\x00\x1b[2J", "id": -1},
 )
 
 
@@ -264,16 +283,35 @@ def baselines(session: int, pid: int) -> dict[str, dict[str, Any]]:
         "MEM_UPDATE": {"session": session, "used_bytes": 0},
         "SET_LIMITS": {"client": None, "gpu": 1, "session": session, "core_limit": 50, "mem_limit": 2**30},
         "SET_MODE": {"mode": "auto", "gpu": NO_GPU},
-        "ACQUIRE": {**lease, "priority": 0, "hold_max_ms": 1000, "queue_limit": 1,
-                    "trace": {"job_id": "j", "utterance_index": 0, "stage": "s"}},
+        "ACQUIRE": {
+            **lease,
+            "priority": 0,
+            "hold_max_ms": 1000,
+            "queue_limit": 1,
+            "trace": {"job_id": "j", "utterance_index": 0, "stage": "s"},
+        },
         "RELEASE": {"lease_id": "no-such-lease", "quiet": False},
         "REPORT_OOM": {"gpu": 1, "task_type": "ABUSE"},
         "LEASES": {},
-        "SET_POLICY": {"task_type": "ABUSE", "priority": 0, "busy_policy": "SKIP", "max_wait_ms": 0,
-                       "queue_limit": 1, "hold_max_ms": 1000},
+        "SET_POLICY": {
+            "task_type": "ABUSE",
+            "priority": 0,
+            "busy_policy": "SKIP",
+            "max_wait_ms": 0,
+            "queue_limit": 1,
+            "hold_max_ms": 1000,
+        },
         "POLICIES": {},
-        "ALLOCATE": {"task_id": f"abuse-{pid}", "gpus": 1.0, "cpus": 0, "prefer": [1], "strategy": "first_fit",
-                     "priority": 0, "wait_ms": 0, "owner_pid": pid},
+        "ALLOCATE": {
+            "task_id": f"abuse-{pid}",
+            "gpus": 1.0,
+            "cpus": 0,
+            "prefer": [1],
+            "strategy": "first_fit",
+            "priority": 0,
+            "wait_ms": 0,
+            "owner_pid": pid,
+        },
         "FREE": {"task_id": f"abuse-{pid}"},
         "ALLOCS": {},
         "RESET_ALLOCS": {},
@@ -291,8 +329,16 @@ CONFUSED: tuple[object, ...] = ("\x00not a number", [1, "x", [2]], {"a": {"b": [
 # Integer fields (dotted: inside a nested struct; [] suffix: a list's element), by message.
 INT_FIELDS = {
     "ATTACH": ("id", "gpu", "priority", "core_limit", "mem_limit", "mem_estimate"),
-    "ACQUIRE": ("id", "gpu", "priority", "max_wait_ms", "hold_max_ms", "queue_limit", "mem_estimate",
-                "trace.utterance_index"),
+    "ACQUIRE": (
+        "id",
+        "gpu",
+        "priority",
+        "max_wait_ms",
+        "hold_max_ms",
+        "queue_limit",
+        "mem_estimate",
+        "trace.utterance_index",
+    ),
     "ALLOCATE": ("id", "gpus", "cpus", "priority", "wait_ms", "owner_pid", "prefer[]"),
     "SET_TQ": ("id", "seconds", "gpu"),
     "MEM_UPDATE": ("id", "session", "used_bytes"),
@@ -368,9 +414,14 @@ def deep_nesting(a: Attack) -> None:
 def _hellos_at_limits() -> list[dict[str, Any]]:
     labels_full = {f"{i:0128d}": "v" * 128 for i in range(p.MAX_LABELS)}
     return [
-        {"name": "n" * 128}, {"name": "n" * 129}, {"name": "n" * 60_000}, {"labels": labels_full},
-        {"labels": {f"k{i}": "v" for i in range(p.MAX_LABELS + 1)}}, {"labels": {"k" * 129: "v"}},
-        {"labels": {"k": "v" * 129}}, {"name": "\x1b[31mred"},
+        {"name": "n" * 128},
+        {"name": "n" * 129},
+        {"name": "n" * 60_000},
+        {"labels": labels_full},
+        {"labels": {f"k{i}": "v" for i in range(p.MAX_LABELS + 1)}},
+        {"labels": {"k" * 129: "v"}},
+        {"labels": {"k": "v" * 129}},
+        {"name": "\x1b[31mred"},
     ]
 
 
@@ -479,8 +530,20 @@ def never_hello(a: Attack) -> None:
 ATTACKS: dict[str, Callable[[Attack], None]] = {
     f.__name__: f
     for f in (
-        random_bytes, truncated_frames, oversized_headers, not_msgpack, not_a_map, unknown_types, type_confused,
-        huge_ints, deep_nesting, size_limits, pipelined_flood, many_task_types, rapid_open_close, never_hello,
+        random_bytes,
+        truncated_frames,
+        oversized_headers,
+        not_msgpack,
+        not_a_map,
+        unknown_types,
+        type_confused,
+        huge_ints,
+        deep_nesting,
+        size_limits,
+        pipelined_flood,
+        many_task_types,
+        rapid_open_close,
+        never_hello,
     )
 }
 
@@ -945,38 +1008,61 @@ def _show(value: Any) -> str:
 def table(r: dict[str, Any]) -> str:
     t = r["targets"]
     rows = [
-        ("handoff p50 / p99, quiet", f"{_show(r['handoff_p50_ms_quiet'])} / {_show(r['handoff_p99_ms_quiet'])} ms",
-         "", None),
-        ("handoff p50 / p99, abuse", f"{_show(r['handoff_p50_ms_abuse'])} / {_show(r['handoff_p99_ms_abuse'])} ms",
-         f"p99 <= {t['handoff_p99_ms_abuse']:g} ms", "handoff_p99_ms_abuse"),
-        ("longest pause in handoffs, quiet / abuse",
-         f"{_show(r['longest_pause_ms']['quiet'])} / {_show(r['longest_pause_ms']['abuse'])} ms", "", None),
+        (
+            "handoff p50 / p99, quiet",
+            f"{_show(r['handoff_p50_ms_quiet'])} / {_show(r['handoff_p99_ms_quiet'])} ms",
+            "",
+            None,
+        ),
+        (
+            "handoff p50 / p99, abuse",
+            f"{_show(r['handoff_p50_ms_abuse'])} / {_show(r['handoff_p99_ms_abuse'])} ms",
+            f"p99 <= {t['handoff_p99_ms_abuse']:g} ms",
+            "handoff_p99_ms_abuse",
+        ),
+        (
+            "longest pause in handoffs, quiet / abuse",
+            f"{_show(r['longest_pause_ms']['quiet'])} / {_show(r['longest_pause_ms']['abuse'])} ms",
+            "",
+            None,
+        ),
         ("errors seen by good clients", _show(r["errors_seen_by_good_clients"]), "0", "no_errors"),
         ("daemon alive, answers STATUS", _show(r["daemon_alive"]), "yes", "daemon_alive"),
-        ("daemon RSS before / after (/ end of settle)",
-         f"{_show(r['rss_mb_before'])} / {_show(r['rss_mb_after'])} ({_show(r['rss_mb_end'])}) MB",
-         f"+{t['rss_growth_mb']:g} MB at most", "rss_growth_mb"),
-        ("metric series before / after (/ end of settle)",
-         f"{_show(r['metric_series_before'])} / {_show(r['metric_series_after'])} ({_show(r['metric_series_end'])})",
-         f"+{t['series_growth_ratio']:.0%} at most", "series_growth_ratio"),
+        (
+            "daemon RSS before / after (/ end of settle)",
+            f"{_show(r['rss_mb_before'])} / {_show(r['rss_mb_after'])} ({_show(r['rss_mb_end'])}) MB",
+            f"+{t['rss_growth_mb']:g} MB at most",
+            "rss_growth_mb",
+        ),
+        (
+            "metric series before / after (/ end of settle)",
+            f"{_show(r['metric_series_before'])} / {_show(r['metric_series_after'])} ({_show(r['metric_series_end'])})",
+            f"+{t['series_growth_ratio']:.0%} at most",
+            "series_growth_ratio",
+        ),
     ]
     lines = [f"{'figure':<48}{'measured':>24}  {'target':<20}met"]
     for label, measured, target, key in rows:
         met = _show(r["met"][key]) if key else ""
         lines.append(f"{label:<48}{measured:>24}  {target:<20}{met}".rstrip())
     h, le, to = r["handoffs"], r["leases"], r["handoffs_timed_out"]
-    lines.append(f"handoffs quiet/abuse/settle: {h['quiet']}/{h['abuse']}/{h['settle']} "
-                 f"(timed out, counted at {GOOD_TIMEOUT_S * 1000:g} ms: {to['quiet']}/{to['abuse']}/{to['settle']}); "
-                 f"leases {le['quiet']}/{le['abuse']}/{le['settle']}; errors by phase {r['errors_by_phase'] or '-'}")
+    lines.append(
+        f"handoffs quiet/abuse/settle: {h['quiet']}/{h['abuse']}/{h['settle']} "
+        f"(timed out, counted at {GOOD_TIMEOUT_S * 1000:g} ms: {to['quiet']}/{to['abuse']}/{to['settle']}); "
+        f"leases {le['quiet']}/{le['abuse']}/{le['settle']}; errors by phase {r['errors_by_phase'] or '-'}"
+    )
     if r["metric_series_growth_by_name"]:
-        lines.append("metric series that grew: " + ", ".join(
-            f"{k} {v:+d}" for k, v in r["metric_series_growth_by_name"].items()))
+        lines.append(
+            "metric series that grew: " + ", ".join(f"{k} {v:+d}" for k, v in r["metric_series_growth_by_name"].items())
+        )
     lines.append("attacks: frames sent, and operations that failed (the daemon closed, reset, refused...):")
     lines.extend(f"  {k:<18}{v['sent']:>7}  {v['failed'] or ''}" for k, v in r["attacks"].items())
     lines.extend(f"  good client error, {e}" for e in r["first_errors"][:10])
     lines.extend(f"  abuser problem: {e}" for e in r["abuser_problems"])
-    lines.append(f"{r['seconds_per_phase']:g} s per phase + {r['settle_s']:g} s settle, {r['abusers']} abusers, "
-                 f"{machine_line(r)}; targets met: {_show(r['targets_met'])}")
+    lines.append(
+        f"{r['seconds_per_phase']:g} s per phase + {r['settle_s']:g} s settle, {r['abusers']} abusers, "
+        f"{machine_line(r)}; targets met: {_show(r['targets_met'])}"
+    )
     return "\n".join(lines)
 
 
@@ -1012,8 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
     plan, as_json = parse_args(argv)
     run = Run()
     port = free_port()
-    progress(f"quiet {plan.quiet_s:g} s, abuse {plan.abuse_s:g} s ({plan.abusers} abusers), "
-              f"settle {plan.settle_s:g} s")
+    progress(f"quiet {plan.quiet_s:g} s, abuse {plan.abuse_s:g} s ({plan.abusers} abusers), settle {plan.settle_s:g} s")
     d = DaemonProcess("--simulate", "2x16GiB", "--metrics-addr", f"127.0.0.1:{port}", "--log-level", "warning")
     d.start()
     try:

@@ -42,8 +42,6 @@ TARGETS = {"cycles_per_s": 1000.0, "allocate_ms_p99": 5.0}
 SEED_000 = {"allocate_ms": 100.0, "requests_per_minute": 200.0}  # the source design's own targets
 
 
-
-
 def worker(socket_path: str, index: int, warmup_s: float, seconds: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
     conn = Connection(socket_path)
     conn.hello(f"bench-{index}")

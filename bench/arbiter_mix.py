@@ -263,8 +263,9 @@ def code_version() -> dict[str, str]:
     try:
         git = ["git", "-C", where]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--", "gpud", "client"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "gpud", "client"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         label = commit.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         label = "not a git tree"
@@ -276,8 +277,17 @@ def _offered_load() -> float:
 
 
 def _flock_keys(flock: dict[str, Any]) -> dict[str, Any]:
-    keys = ("asr_p50_ms", "asr_p95_ms", "nmt_p50_ms", "nmt_p95_ms", "asr_p95_ms_without_repair",
-            "nmt_p95_ms_without_repair", "p95_ratio_with_repair", "repair_skip_rate", "gpu_busy_ratio_with_repair")
+    keys = (
+        "asr_p50_ms",
+        "asr_p95_ms",
+        "nmt_p50_ms",
+        "nmt_p95_ms",
+        "asr_p95_ms_without_repair",
+        "nmt_p95_ms_without_repair",
+        "p95_ratio_with_repair",
+        "repair_skip_rate",
+        "gpu_busy_ratio_with_repair",
+    )
     return {f"flock_{k}": flock[k] for k in keys}
 
 
@@ -302,26 +312,33 @@ def _met(r: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def report(
-    runs: dict[str, Any], cfg: BenchConfig, machine: dict[str, Any], *, code: tuple[dict[str, str], ...]
-) -> Any:
+def report(runs: dict[str, Any], cfg: BenchConfig, machine: dict[str, Any], *, code: tuple[dict[str, str], ...]) -> Any:
     flock = mode_figures(*runs["flock"])
     result: dict[str, Any] = {"mode": "auto", **_versus_flock(mode_figures(*runs["auto"]), flock)}
     result["serial"] = _versus_flock(mode_figures(*runs["serial"]), flock)
     result["flock"] = flock
     result["auto_repair_x2"] = mode_figures(*runs["auto_repair_x2"]) | {"repair_procs": 2 * cfg.repair_procs}
-    for key, run, path in (("cycles_per_s", "cycles", "client"), ("cycles_per_s_bare", "cycles", "bare"),
-                           ("cycles_per_s_log_warning", "cycles_log_warning", "client"),
-                           ("cycles_per_s_bare_log_warning", "cycles_log_warning", "bare")):
+    for key, run, path in (
+        ("cycles_per_s", "cycles", "client"),
+        ("cycles_per_s_bare", "cycles", "bare"),
+        ("cycles_per_s_log_warning", "cycles_log_warning", "client"),
+        ("cycles_per_s_bare_log_warning", "cycles_log_warning", "bare"),
+    ):
         result[key] = {n: v["cycles_per_s"] for n, v in runs[run][path].items()}
     result["cycles_detail"] = {k: runs[k] for k in ("cycles", "cycles_log_warning")}
     result["targets"] = TARGETS
     result["met"] = _met(result)
     result["workload"] = {
-        "gpu": GPU, "streams": [asdict(s) for s in (ASR, NMT, REPAIR)],
-        "offered_load_asr_nmt": round(_offered_load(), 3), "repair_procs": cfg.repair_procs,
-        "flock_poll_ms": cfg.flock_poll_ms, "seconds_per_phase": cfg.seconds,
-        "warmup_s": cfg.warmup, "seed": cfg.seed, "cycle_seconds": cfg.cycle_seconds, "daemon_log_level": "info",
+        "gpu": GPU,
+        "streams": [asdict(s) for s in (ASR, NMT, REPAIR)],
+        "offered_load_asr_nmt": round(_offered_load(), 3),
+        "repair_procs": cfg.repair_procs,
+        "flock_poll_ms": cfg.flock_poll_ms,
+        "seconds_per_phase": cfg.seconds,
+        "warmup_s": cfg.warmup,
+        "seed": cfg.seed,
+        "cycle_seconds": cfg.cycle_seconds,
+        "daemon_log_level": "info",
     }
     result["machine"] = machine
     result["code"] = code[0] | {"changed_during_run": code[0]["sha256"] != code[1]["sha256"]}
@@ -333,8 +350,11 @@ _WAIT_ROWS = [
     ("ASR wait p50 / p95, repair flood", "asr_p50_ms", "asr_p95_ms"),
     ("NMT wait p50 / p95, no repair", "nmt_p50_ms_without_repair", "nmt_p95_ms_without_repair"),
     ("NMT wait p50 / p95, repair flood", "nmt_p50_ms", "nmt_p95_ms"),
-    ("ASR acquire (client) p50/p95, no repair", "asr_acquire_p50_ms_without_repair",
-     "asr_acquire_p95_ms_without_repair"),
+    (
+        "ASR acquire (client) p50/p95, no repair",
+        "asr_acquire_p50_ms_without_repair",
+        "asr_acquire_p95_ms_without_repair",
+    ),
     ("ASR acquire (client) p50/p95, flood", "asr_acquire_p50_ms", "asr_acquire_p95_ms"),
 ]
 _RATIO_ROWS = [
@@ -359,10 +379,16 @@ def _target_rows(r: dict[str, Any]) -> list[tuple[str, Any, bool]]:
     return [
         (f"ASR p95 ratio <= {ratio} (auto)", r["p95_ratio_with_repair"], met["p95_ratio_with_repair"]),
         (f"ASR p95 ratio <= {ratio} (serial)", s["p95_ratio_with_repair"], met["p95_ratio_with_repair_serial"]),
-        (f"ASR acquire p95 / flock p95 <= {flock} (auto)", r["asr_acquire_p95_over_flock"],
-         met["asr_acquire_p95_over_flock"]),
-        (f"ASR acquire p95 / flock p95 <= {flock} (serial)", s["asr_acquire_p95_over_flock"],
-         met["asr_acquire_p95_over_flock_serial"]),
+        (
+            f"ASR acquire p95 / flock p95 <= {flock} (auto)",
+            r["asr_acquire_p95_over_flock"],
+            met["asr_acquire_p95_over_flock"],
+        ),
+        (
+            f"ASR acquire p95 / flock p95 <= {flock} (serial)",
+            s["asr_acquire_p95_over_flock"],
+            met["asr_acquire_p95_over_flock_serial"],
+        ),
         (f"cycles/s with 8 clients >= {t['cycles_per_s_8']:g}", r["cycles_per_s"]["8"], met["cycles_per_s_8"]),
     ]
 
@@ -377,8 +403,11 @@ def table(r: dict[str, Any]) -> str:
     for label, k50, k95 in _WAIT_ROWS:
         lines.append(f"{label:<42}" + "".join(f"{f'{d[k50]:.2f} / {d[k95]:.2f}':>17}" for d in columns))
     for task in ("asr", "nmt"):  # the service was still busy with the previous request: not a lease wait
-        cells = [f"{d[f'{task}_late_start_p95_ms']['without_repair']:.1f} / "
-                 f"{d[f'{task}_late_start_p95_ms']['with_repair']:.1f}" for d in columns]
+        cells = [
+            f"{d[f'{task}_late_start_p95_ms']['without_repair']:.1f} / "
+            f"{d[f'{task}_late_start_p95_ms']['with_repair']:.1f}"
+            for d in columns
+        ]
         lines.append(f"{task.upper() + ' start late p95, no repair / flood':<42}" + "".join(f"{c:>17}" for c in cells))
     for label, key in _RATIO_ROWS:
         lines.append(f"{label:<42}" + "".join(f"{_num(d[key], 3):>17}" for d in columns))
@@ -392,13 +421,19 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{label:<42}" + "".join(f"{v:>14}" for v in r[key].values()))
     lines.append("")
     for label, value, ok in _target_rows(r):
-        lines.append(f"{label:<48}{_num(value, 3) if isinstance(value, float | None) else value:>12}  "
-                     f"{'met' if ok else 'NOT MET'}")
+        lines.append(
+            f"{label:<48}{_num(value, 3) if isinstance(value, float | None) else value:>12}  "
+            f"{'met' if ok else 'NOT MET'}"
+        )
     w, m = r["workload"], r["machine"]
-    lines.append(f"offered ASR+NMT load {w['offered_load_asr_nmt']}, {w['repair_procs']} repair process(es), "
-                 f"{w['seconds_per_phase']:g} s per phase after {w['warmup_s']:g} s warm-up, seed {w['seed']}")
-    lines.append(f"{machine_line(m)}; gpud {r['code']['commit']} ({r['code']['path']}, {r['code']['sha256']})"
-                 + (" (gpud's code CHANGED during the run)" if r["code"]["changed_during_run"] else ""))
+    lines.append(
+        f"offered ASR+NMT load {w['offered_load_asr_nmt']}, {w['repair_procs']} repair process(es), "
+        f"{w['seconds_per_phase']:g} s per phase after {w['warmup_s']:g} s warm-up, seed {w['seed']}"
+    )
+    lines.append(
+        f"{machine_line(m)}; gpud {r['code']['commit']} ({r['code']['path']}, {r['code']['sha256']})"
+        + (" (gpud's code CHANGED during the run)" if r["code"]["changed_during_run"] else "")
+    )
     return "\n".join(lines)
 
 

@@ -121,13 +121,12 @@ def p95_ratio(with_: list[float], without: list[float]) -> float | None:
     return 1.0 if a == 0 else None
 
 
-def ratio_ci95(
-    with_: list[float], without: list[float], *, resamples: int = 1000, seed: int = 0
-) -> list[float | None]:
+def ratio_ci95(with_: list[float], without: list[float], *, resamples: int = 1000, seed: int = 0) -> list[float | None]:
     """Bootstrap 95 % interval of ``p95_ratio``: how far the run's ratio could be from chance (None: unbounded)."""
     rng = random.Random(seed)
-    ratios = [p95_ratio(rng.choices(with_, k=len(with_)), rng.choices(without, k=len(without)))
-              for _ in range(resamples)]
+    ratios = [
+        p95_ratio(rng.choices(with_, k=len(with_)), rng.choices(without, k=len(without))) for _ in range(resamples)
+    ]
     finite = sorted(r for r in ratios if r is not None)
     unbounded = len(ratios) - len(finite)  # sorted last, above every finite ratio
     ends = (int(0.025 * resamples), int(0.975 * resamples) - 1)

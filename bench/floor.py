@@ -71,15 +71,26 @@ class _Floor(Generic[PeerT]):
                 if self.waiting:
                     self._grant(self.waiting.popleft())
             case p.Hello(id=rid):
-                gpu = p.GpuInfo(index=0, uuid="relay-0", name="floor relay", memory_total_bytes=0, simulated=True,
-                                scheduler_on=True)
+                gpu = p.GpuInfo(
+                    index=0, uuid="relay-0", name="floor relay", memory_total_bytes=0, simulated=True, scheduler_on=True
+                )
                 self._send(peer, p.Welcome(id=rid, client_id=next(self.ids), version=p.PROTOCOL_VERSION, gpus=[gpu]))
             case p.Attach(id=rid):
                 sid = next(self.ids)
                 self.owner[sid] = peer
                 peer.sessions.append(sid)
-                self._send(peer, p.Attached(id=rid, session=sid, gpu=0, scheduler_on=True, core_limit=100,
-                                            mem_limit=None, memory_total_bytes=0))
+                self._send(
+                    peer,
+                    p.Attached(
+                        id=rid,
+                        session=sid,
+                        gpu=0,
+                        scheduler_on=True,
+                        core_limit=100,
+                        mem_limit=None,
+                        memory_total_bytes=0,
+                    ),
+                )
 
     def _grant(self, sid: int) -> None:
         self.holder = sid

@@ -126,7 +126,9 @@ def read_nvml(index: int) -> dict[str, Any] | str:
             return "NVML sees no GPU" if count == 0 else f"NVML sees {count} GPU(s), none with index {index}"
         h = nvml.nvmlDeviceGetHandleByIndex(index)
         return {
-            "index": index, "name": _text(nvml.nvmlDeviceGetName(h)), "uuid": _text(nvml.nvmlDeviceGetUUID(h)),
+            "index": index,
+            "name": _text(nvml.nvmlDeviceGetName(h)),
+            "uuid": _text(nvml.nvmlDeviceGetUUID(h)),
             "memory_total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             "driver": _text(nvml.nvmlSystemGetDriverVersion()),
             "other_processes": len(nvml.nvmlDeviceGetComputeRunningProcesses(h)),
@@ -151,8 +153,9 @@ def torch_missing() -> str | None:
 def gpuctl(path: str, *args: str) -> tuple[int, int, str]:
     """Run gpuctl: (launch, return) monotonic ns and its output."""
     t0 = time.monotonic_ns()
-    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args], capture_output=True, text=True, timeout=30
+    )
     t1 = time.monotonic_ns()
     if out.returncode != 0:
         raise RuntimeError(f"gpuctl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
@@ -192,10 +195,15 @@ def check_gpuctl_status(cfg: BenchConfig, nvml: dict[str, Any]) -> dict[str, Any
 
 def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, nvml: dict[str, Any], size: int) -> dict[str, Any]:
     began, W = time.monotonic(), cfg.window_ns
-    progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, "
-              f"{cfg.windows} windows of {cfg.window_s:g} s")
-    specs = [GpuWorkerSpec(name=f"{sc.name}-{'ab'[i]}", limit=limit, gpu=nvml["index"], uuid=nvml["uuid"],
-                           size=size, depth=cfg.depth) for i, limit in enumerate(sc.limits)]
+    progress(
+        f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, {cfg.windows} windows of {cfg.window_s:g} s"
+    )
+    specs = [
+        GpuWorkerSpec(
+            name=f"{sc.name}-{'ab'[i]}", limit=limit, gpu=nvml["index"], uuid=nvml["uuid"], size=size, depth=cfg.depth
+        )
+        for i, limit in enumerate(sc.limits)
+    ]
     stop = ctx.RawValue("q", NEVER)
     span: list[int] = []
     daemon = start_daemon(cfg, sc.mode)
@@ -216,31 +224,54 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, nvml: dict[str, Any],
     if complaints:
         progress(f"  the daemon logged warnings:\n{complaints}")
     run = _figures(sc, specs, reports, view, span[0], span[1], W)
-    return run | {"windows": cfg.windows, "window_s": cfg.window_s, "wall_s": round(time.monotonic() - began, 1),
-                  "daemon_warnings": len(complaints.splitlines())}
+    return run | {
+        "windows": cfg.windows,
+        "window_s": cfg.window_s,
+        "wall_s": round(time.monotonic() - began, 1),
+        "daemon_warnings": len(complaints.splitlines()),
+    }
 
 
 def _figures(
-    sc: Scenario, specs: list[GpuWorkerSpec], reports: list[dict[str, Any]], view: dict[str, Any], start: int,
-    end: int, W: int,
+    sc: Scenario,
+    specs: list[GpuWorkerSpec],
+    reports: list[dict[str, Any]],
+    view: dict[str, Any],
+    start: int,
+    end: int,
+    W: int,
 ) -> dict[str, Any]:
     timelines, clocks = zip(*(on_one_clock(r) for r in reports))
     worst = serial_overlap_ns(timelines)
     allowed = max(c.uncertainty_ns for c in clocks) * 2 + SERIAL_SLACK_NS
     if sc.mode == "serial" and worst > allowed:
-        raise MeasurementError(f"{sc.name}: kernels of two sessions ran at once for {worst / 1e3:.1f} us on a "
-                               f"serial GPU (allowed {allowed / 1e3:.1f} us of clock uncertainty)")
+        raise MeasurementError(
+            f"{sc.name}: kernels of two sessions ran at once for {worst / 1e3:.1f} us on a "
+            f"serial GPU (allowed {allowed / 1e3:.1f} us of clock uncertainty)"
+        )
     sessions = session_figures(timelines, [r["grants"] for r in reports], sc.limits, start, end, W)
     for spec, s, r, clock in zip(specs, sessions, reports, clocks):
         v = view.get(spec.name)
-        s |= {"quota_drops": sum(1 for t, why in r["drops"] if why == "quota" and start <= t < end),
-              "drift_ppm": round(clock.drift_ppm, 3), "clock_uncertainty_us": clock.uncertainty_ns / 1e3,
-              "memory_reserved_bytes": r["memory_reserved"],
-              "daemon": None if v is None else {
-                  "grants": v.grants, "drops": dict(v.drops), "throttles": v.throttles, "budget_ms": v.budget_ms,
-                  "mem_used_bytes": v.mem_used_bytes, "recent_share_percent": v.recent_share_percent}}
-        progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %, "
-                  f"{s['kernels_per_s']:.1f} kernels/s")
+        s |= {
+            "quota_drops": sum(1 for t, why in r["drops"] if why == "quota" and start <= t < end),
+            "drift_ppm": round(clock.drift_ppm, 3),
+            "clock_uncertainty_us": clock.uncertainty_ns / 1e3,
+            "memory_reserved_bytes": r["memory_reserved"],
+            "daemon": None
+            if v is None
+            else {
+                "grants": v.grants,
+                "drops": dict(v.drops),
+                "throttles": v.throttles,
+                "budget_ms": v.budget_ms,
+                "mem_used_bytes": v.mem_used_bytes,
+                "recent_share_percent": v.recent_share_percent,
+            },
+        }
+        progress(
+            f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %, "
+            f"{s['kernels_per_s']:.1f} kernels/s"
+        )
     return {"name": sc.name, "mode": sc.mode, "serial_overlap_us": worst / 1e3, "sessions": sessions}
 
 
@@ -251,10 +282,12 @@ def run_limit_update(ctx: Any, cfg: BenchConfig, nvml: dict[str, Any], size: int
     """Lower a busy unlimited session to 20 % a quarter into a window and raise it back, ``limit_reps`` times;
     lower it for good and measure the share over ``after_windows`` windows."""
     began, W = time.monotonic(), cfg.window_ns
-    progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, "
-              f"then 20 % for {cfg.after_windows} windows")
-    spec = GpuWorkerSpec(name=LIMIT_NAME, limit=UNLIMITED, gpu=nvml["index"], uuid=nvml["uuid"], size=size,
-                         depth=cfg.depth)
+    progress(
+        f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, then 20 % for {cfg.after_windows} windows"
+    )
+    spec = GpuWorkerSpec(
+        name=LIMIT_NAME, limit=UNLIMITED, gpu=nvml["index"], uuid=nvml["uuid"], size=size, depth=cfg.depth
+    )
     stop = ctx.RawValue("q", NEVER)
     changes: list[dict[str, int]] = []
     used_before: list[float] = []
@@ -274,19 +307,32 @@ def run_limit_update(ctx: Any, cfg: BenchConfig, nvml: dict[str, Any], size: int
         progress(f"  the daemon logged warnings:\n{complaints}")
     tl, clock = on_one_clock(reports[0])
     after_start = changes[-1]["boundary"] + W
-    result = limit_change_figures(changes, reports[0]["drops"], reports[0]["grants"], tl,
-                                  (after_start, after_start + cfg.after_windows * W), W)
-    result["flags"] = [f"change {i}: only {u} ms used before it (the drop was not due at once)"
-                       for i, u in enumerate(used_before) if u <= 0.2 * W / 1e6]
-    result |= {"used_before_ms": used_before, "drift_ppm": round(clock.drift_ppm, 3),
-               "wall_s": round(time.monotonic() - began, 1)}
-    progress(f"  gpuctl return -> last kernel ends: {result['samples_ms']} ms; "
-              f"share after the change {result['after_change']['achieved']:.3f} %")
+    result = limit_change_figures(
+        changes, reports[0]["drops"], reports[0]["grants"], tl, (after_start, after_start + cfg.after_windows * W), W
+    )
+    result["flags"] = [
+        f"change {i}: only {u} ms used before it (the drop was not due at once)"
+        for i, u in enumerate(used_before)
+        if u <= 0.2 * W / 1e6
+    ]
+    result |= {
+        "used_before_ms": used_before,
+        "drift_ppm": round(clock.drift_ppm, 3),
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+    progress(
+        f"  gpuctl return -> last kernel ends: {result['samples_ms']} ms; "
+        f"share after the change {result['after_change']['achieved']:.3f} %"
+    )
     return result
 
 
 def _change_limits(
-    path: str, obs: Client, origin: int, cfg: BenchConfig, stop: Any,
+    path: str,
+    obs: Client,
+    origin: int,
+    cfg: BenchConfig,
+    stop: Any,
 ) -> tuple[list[dict[str, int]], list[float]]:
     """While the session runs: the gpuctl calls, stamped, and what the session had used before each lowering.
     The first waits a full window, so that the session has been busy since the window began."""
@@ -325,8 +371,12 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, list[str], bool]:
         ap.error(f"unknown scenario(s): {', '.join(unknown)}; choose from {', '.join(names)}")
     if args.windows < 1:
         ap.error("--windows must be >= 1")
-    cfg = BenchConfig(windows=args.windows, window_s=args.window if args.window is not None else 2.0,
-                      window_given=args.window is not None, gpu=args.gpu)
+    cfg = BenchConfig(
+        windows=args.windows,
+        window_s=args.window if args.window is not None else 2.0,
+        window_given=args.window is not None,
+        gpu=args.gpu,
+    )
     return cfg, chosen, args.json
 
 
@@ -342,7 +392,9 @@ def measure(cfg: BenchConfig, chosen: list[str], nvml: dict[str, Any]) -> dict[s
     runs = [run_scenario(ctx, SCENARIOS[n], cfg, nvml, kernel["size"]) for n in SHARE_SCENARIOS if n in chosen]
     limit_update = run_limit_update(ctx, cfg, nvml, kernel["size"]) if LIMIT_UPDATE in chosen else None
     return report(nvml, kernel, runs, limit_update) | {
-        "gpuctl_status": daemon_says, "nvml_driver": nvml["driver"], "config": asdict(cfg),
+        "gpuctl_status": daemon_says,
+        "nvml_driver": nvml["driver"],
+        "config": asdict(cfg),
         "elapsed_s": round(time.monotonic() - began, 1),
     }
 

@@ -94,8 +94,9 @@ def timeline(clock: EventClock, start_ms: Sequence[float], dur_ms: Sequence[floa
             # One stream runs its events in order: an earlier start is the rounding of elapsed_time's
             # float32 milliseconds (some us after minutes), unless it is more than that.
             if starts[i] < ends[i - 1] - ROUNDING_NS:
-                raise MeasurementError(f"kernel {i} of one stream starts {ends[i - 1] - starts[i]} ns "
-                                       f"before kernel {i - 1} ends")
+                raise MeasurementError(
+                    f"kernel {i} of one stream starts {ends[i - 1] - starts[i]} ns before kernel {i - 1} ends"
+                )
             starts[i] = ends[i - 1]
             ends[i] = max(ends[i], starts[i])
     return Timeline(starts, ends)
@@ -189,7 +190,11 @@ def _pct(x: float) -> float:
 
 
 def session_figures(
-    timelines: Sequence[Timeline], grants: Sequence[Sequence[int]], limits: Sequence[int], start: int, end: int,
+    timelines: Sequence[Timeline],
+    grants: Sequence[Sequence[int]],
+    limits: Sequence[int],
+    start: int,
+    end: int,
     window: int,
 ) -> list[dict[str, Any]]:
     """Each session's share of [start, end): GPU time, per window, throughput, idle within holds."""
@@ -199,16 +204,20 @@ def session_figures(
     for i, (tl, limit) in enumerate(zip(timelines, limits)):
         gpu_ns = sum(row[i] for row in sw.per_bin)
         achieved = 100 * gpu_ns / length
-        out.append({
-            "session": "abcdefgh"[i], "limit": limit, "achieved": _pct(achieved),
-            "error_pp": _pct(achieved - limit) if limit < UNLIMITED else None,
-            "window_share_min": _pct(min(100 * row[i] / window for row in sw.per_bin)),
-            "window_share_max": _pct(max(100 * row[i] / window for row in sw.per_bin)),
-            "kernels_per_s": round(work_done(tl, start, end) / (length / 1e9), 3),
-            "kernels": sum(1 for s, e in zip(tl.starts, tl.ends) if e > start and s < end),
-            "idle_in_holds_pp": _pct(100 * idle_in_holds_ns(tl, grants[i], start, end) / length),
-            "grants": sum(1 for t in grants[i] if start <= t < end),
-        })
+        out.append(
+            {
+                "session": "abcdefgh"[i],
+                "limit": limit,
+                "achieved": _pct(achieved),
+                "error_pp": _pct(achieved - limit) if limit < UNLIMITED else None,
+                "window_share_min": _pct(min(100 * row[i] / window for row in sw.per_bin)),
+                "window_share_max": _pct(max(100 * row[i] / window for row in sw.per_bin)),
+                "kernels_per_s": round(work_done(tl, start, end) / (length / 1e9), 3),
+                "kernels": sum(1 for s, e in zip(tl.starts, tl.ends) if e > start and s < end),
+                "idle_in_holds_pp": _pct(100 * idle_in_holds_ns(tl, grants[i], start, end) / length),
+                "grants": sum(1 for t in grants[i] if start <= t < end),
+            }
+        )
     for s in out:
         s["gpu_busy_percent"] = _pct(100 * sw.busy_ns / length)
         s["overlap_percent"] = _pct(100 * sw.overlap_ns / length)
@@ -220,8 +229,12 @@ def _first_at_or_after(times: Sequence[int], t: int) -> int | None:
 
 
 def limit_change_figures(
-    changes: Sequence[Mapping[str, int]], drops: Sequence[tuple[int, str]], grants: Sequence[int], tl: Timeline,
-    after: tuple[int, int], window: int,
+    changes: Sequence[Mapping[str, int]],
+    drops: Sequence[tuple[int, str]],
+    grants: Sequence[int],
+    tl: Timeline,
+    after: tuple[int, int],
+    window: int,
 ) -> dict[str, Any]:
     """How fast a lowered limit governs the GPU, per change ``{launch, return[, raise_launch, raise_return]}``
     (gpuctl's launch and return): the session's DROP_LOCK (quota) after the launch, and the end of its last
@@ -247,12 +260,18 @@ def limit_change_figures(
     shares = sweep([tl], window_edges(after[0], after[1], window)).per_bin
     length = after[1] - after[0]
     return {
-        "samples_ms": stop_ms, "max_ms": max(stop_ms), "median_ms": percentile(stop_ms, 50),
-        "drop_samples_ms": drop_ms, "drop_max_ms": max(drop_ms), "raise_samples_ms": resume_ms,
-        "met": max(stop_ms) <= TARGETS["limit_update_ms"], "target_ms": TARGETS["limit_update_ms"],
+        "samples_ms": stop_ms,
+        "max_ms": max(stop_ms),
+        "median_ms": percentile(stop_ms, 50),
+        "drop_samples_ms": drop_ms,
+        "drop_max_ms": max(drop_ms),
+        "raise_samples_ms": resume_ms,
+        "met": max(stop_ms) <= TARGETS["limit_update_ms"],
+        "target_ms": TARGETS["limit_update_ms"],
         "reference_ms": REFERENCE_LIMIT_UPDATE_MS,
         "after_change": {
-            "target": 20.0, "achieved": _pct(100 * sum(row[0] for row in shares) / length),
+            "target": 20.0,
+            "achieved": _pct(100 * sum(row[0] for row in shares) / length),
             "window_shares": [_pct(100 * row[0] / window) for row in shares],
         },
     }
@@ -279,11 +298,19 @@ def entries(run: Mapping[str, Any]) -> list[dict[str, Any]]:
     for s in limited:
         e: dict[str, Any] = {
             "name": run["name"] if len(limited) == 1 else f"{run['name']}:{s['session']}{s['limit']}",
-            "scenario": run["name"], "mode": run["mode"], "target": float(s["limit"]), "achieved": s["achieved"],
-            "error_pp": s["error_pp"], "tolerance_pp": tolerance, "met": abs(s["error_pp"]) <= tolerance,
-            "slowdown": None, "share_of_alone": None, "kernels_per_s": s["kernels_per_s"],
+            "scenario": run["name"],
+            "mode": run["mode"],
+            "target": float(s["limit"]),
+            "achieved": s["achieved"],
+            "error_pp": s["error_pp"],
+            "tolerance_pp": tolerance,
+            "met": abs(s["error_pp"]) <= tolerance,
+            "slowdown": None,
+            "share_of_alone": None,
+            "kernels_per_s": s["kernels_per_s"],
             "idle_in_holds_pp": s["idle_in_holds_pp"],
-            "reference_achieved": ref[0] if ref else None, "reference_slowdown": ref[1] if ref else None,
+            "reference_achieved": ref[0] if ref else None,
+            "reference_slowdown": ref[1] if ref else None,
         }
         if beside:
             e["unlimited_beside_achieved"] = beside[0]
@@ -301,7 +328,9 @@ def against_alone(scenarios: list[dict[str, Any]], alone_kernels_per_s: float) -
 
 
 def report(
-    nvml: Mapping[str, Any], kernel: Mapping[str, Any], runs: Sequence[Mapping[str, Any]],
+    nvml: Mapping[str, Any],
+    kernel: Mapping[str, Any],
+    runs: Sequence[Mapping[str, Any]],
     limit_update: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The result: the headline keys first (gpu, scenarios, limit_update_ms, nvml), then the detail."""
@@ -310,9 +339,11 @@ def report(
     if alone is not None:
         against_alone(scenarios, alone["kernels_per_s"])
     return {
-        "gpu": nvml["name"], "scenarios": scenarios,
+        "gpu": nvml["name"],
+        "scenarios": scenarios,
         "limit_update_ms": None if limit_update is None else limit_update["max_ms"],
-        "nvml": {k: nvml[k] for k in ("name", "uuid", "memory_total_bytes")}, "kernel": dict(kernel),
+        "nvml": {k: nvml[k] for k in ("name", "uuid", "memory_total_bytes")},
+        "kernel": dict(kernel),
         "alone": None if alone is None else {k: alone[k] for k in ("achieved", "kernels_per_s", "idle_in_holds_pp")},
         "limit_update": None if limit_update is None else dict(limit_update),
         "met_all": all(e["met"] for e in scenarios) and (limit_update is None or limit_update["met"]),
@@ -326,10 +357,12 @@ def _cell(x: float | None, fmt: str, unit: str = "") -> str:
 
 def table(result: Mapping[str, Any]) -> str:
     nvml, kernel = result["nvml"], result["kernel"]
-    lines = [f"GPU {result['gpu']} ({nvml['uuid']}, {nvml['memory_total_bytes'] / 2**30:.1f} GiB); "
-             f"kernel: {kernel['what']}, {kernel['ms']:.2f} ms alone",
-             f"{'scenario':<22}{'target':>8}{'achieved':>10}{'error':>10}{'tol':>6}{'idle':>7}"
-             f"{'vs alone':>10}{'slowdown':>10}  {'nvshare-derived':<16} met"]
+    lines = [
+        f"GPU {result['gpu']} ({nvml['uuid']}, {nvml['memory_total_bytes'] / 2**30:.1f} GiB); "
+        f"kernel: {kernel['what']}, {kernel['ms']:.2f} ms alone",
+        f"{'scenario':<22}{'target':>8}{'achieved':>10}{'error':>10}{'tol':>6}{'idle':>7}"
+        f"{'vs alone':>10}{'slowdown':>10}  {'nvshare-derived':<16} met",
+    ]
     for e in result["scenarios"]:
         ref = f"{e['reference_achieved']:.1f} % ({e['reference_slowdown']:.2f}x)" if e["reference_achieved"] else ""
         lines.append(
@@ -341,8 +374,10 @@ def table(result: Mapping[str, Any]) -> str:
             lines.append(f"{'  (unlimited beside)':<22}{'-':>8}{e['unlimited_beside_achieved']:>8.2f} %")
     a = result["alone"]
     if a is not None:
-        lines.append(f"{'unlimited, alone':<22}{'-':>8}{a['achieved']:>8.2f} %{'':>16}{a['idle_in_holds_pp']:>7.2f}"
-                     f"{'100.00 %':>10}{'1.00x':>10}  ({a['kernels_per_s']:.1f} kernels/s)")
+        lines.append(
+            f"{'unlimited, alone':<22}{'-':>8}{a['achieved']:>8.2f} %{'':>16}{a['idle_in_holds_pp']:>7.2f}"
+            f"{'100.00 %':>10}{'1.00x':>10}  ({a['kernels_per_s']:.1f} kernels/s)"
+        )
     lu = result["limit_update"]
     if lu is not None:
         lines += [
@@ -353,7 +388,9 @@ def table(result: Mapping[str, Any]) -> str:
             f"{len(lu['after_change']['window_shares'])} windows after: {lu['after_change']['achieved']:.2f} %"
             + (f"; flags: {lu['flags']}" if lu.get("flags") else ""),
         ]
-    lines.append("achieved = the session's kernel time on the GPU (CUDA events, concurrency-weighted) / the "
-                 "interval; idle = GPU idle between two kernels of one hold (pp); vs alone = throughput / the "
-                 "same process's alone and unlimited; slowdown = its inverse")
+    lines.append(
+        "achieved = the session's kernel time on the GPU (CUDA events, concurrency-weighted) / the "
+        "interval; idle = GPU idle between two kernels of one hold (pp); vs alone = throughput / the "
+        "same process's alone and unlimited; slowdown = its inverse"
+    )
     return "\n".join(lines)

@@ -140,8 +140,12 @@ def _cube_estimate(n: int, ms: float, target_ms: float) -> int:
 
 
 def calibration_step(
-    timings: Mapping[int, float], *, lo_ms: float = KERNEL_MS[0], hi_ms: float = KERNEL_MS[1],
-    min_size: int = MIN_SIZE, max_size: int = LADDER[-1],
+    timings: Mapping[int, float],
+    *,
+    lo_ms: float = KERNEL_MS[0],
+    hi_ms: float = KERNEL_MS[1],
+    min_size: int = MIN_SIZE,
+    max_size: int = LADDER[-1],
 ) -> Chosen | Try | Fail:
     """From measured (side -> median ms): the side to use, the next side to measure, or why none fits.
 
@@ -171,8 +175,10 @@ def calibration_step(
     low = max(min_size, (below // SIZE_STEP + 1) * SIZE_STEP)  # strictly above the last one too fast
     high = min(max_size, (above - 1) // SIZE_STEP * SIZE_STEP)  # strictly below the first one too slow
     if low > high:
-        return Fail(f"no side between {below} ({timings[below]:.2f} ms) and {above} ({timings[above]:.2f} ms) "
-                    f"in steps of {SIZE_STEP}")
+        return Fail(
+            f"no side between {below} ({timings[below]:.2f} ms) and {above} ({timings[above]:.2f} ms) "
+            f"in steps of {SIZE_STEP}"
+        )
     return Try(min(max(guess, low), high))
 
 
@@ -245,7 +251,10 @@ def session_worker(path: str, spec: GpuWorkerSpec, stop: Any, out: Pipe) -> None
     client = Client(path, name=spec.name)
     try:
         session = client.session(
-            spec.gpu, core_limit=spec.limit, idle_release=None, synchronize=torch.cuda.synchronize,
+            spec.gpu,
+            core_limit=spec.limit,
+            idle_release=None,
+            synchronize=torch.cuda.synchronize,
             mem_estimate=int(torch.cuda.memory_reserved()) + CONTEXT_BYTES,
             on_drop=lambda reason: drops.append((time.monotonic_ns(), str(reason))),
         )
@@ -277,11 +286,20 @@ def session_worker(path: str, spec: GpuWorkerSpec, stop: Any, out: Pipe) -> None
         out.send("stopped")
         out.recv()  # anchor: every session has stopped, the GPU is idle
         last_ref, last = anchor(torch)
-        out.send({
-            "first": first, "last": last, "last_ms": ref.elapsed_time(last_ref), "start_ms": start_ms,
-            "dur_ms": dur_ms, "grants": grants, "drops": list(drops), "client_grants": session.grants,
-            "client_drops": session.drops, "memory_reserved": int(torch.cuda.memory_reserved()),
-        })
+        out.send(
+            {
+                "first": first,
+                "last": last,
+                "last_ms": ref.elapsed_time(last_ref),
+                "start_ms": start_ms,
+                "dur_ms": dur_ms,
+                "grants": grants,
+                "drops": list(drops),
+                "client_grants": session.grants,
+                "client_drops": session.drops,
+                "memory_reserved": int(torch.cuda.memory_reserved()),
+            }
+        )
         out.recv()  # close: the parent has read the daemon's figures
     finally:
         client.close()
@@ -308,12 +326,21 @@ def calibrate(ctx: Any, nvml: dict[str, Any]) -> dict[str, Any]:
         timings: dict[int, float] = receive(pipe, proc, 300)
         tries = 0
         while True:
-            print(f"calibration: {', '.join(f'{n}: {ms:.3f} ms' for n, ms in sorted(timings.items()))}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"calibration: {', '.join(f'{n}: {ms:.3f} ms' for n, ms in sorted(timings.items()))}",
+                file=sys.stderr,
+                flush=True,
+            )
             match calibration_step(timings, max_size=max_size):
                 case Chosen(size=size, ms=ms):
-                    return {"size": size, "ms": ms, "what": f"fp16 matmul {size}x{size}", "timings_ms": timings,
-                            "monotone": monotone(timings), **versions}
+                    return {
+                        "size": size,
+                        "ms": ms,
+                        "what": f"fp16 matmul {size}x{size}",
+                        "timings_ms": timings,
+                        "monotone": monotone(timings),
+                        **versions,
+                    }
                 case Try(size=size) if tries < CALIBRATION_ROUNDS:
                     tries += 1
                     pipe.send([size])
@@ -334,7 +361,12 @@ def calibrate(ctx: Any, nvml: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_workers(
-    ctx: Any, path: str, specs: list[GpuWorkerSpec], stop: Any, go: Callable[[], None], until: Callable[[], None],
+    ctx: Any,
+    path: str,
+    specs: list[GpuWorkerSpec],
+    stop: Any,
+    go: Callable[[], None],
+    until: Callable[[], None],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The parent's side: start the sessions one at a time (each anchors on an idle GPU), call ``go()`` once all
     are ready and ``until()`` while they run; wait until all have stopped, have each anchor in turn, and return

@@ -97,11 +97,17 @@ from percentiles import percentile
 Cycle = tuple[int, int, int, int]
 
 TARGETS = {
-    "handoff_us_p50": 150.0, "handoff_us_p99": 2000.0, "p50_growth_64": 2.0,
+    "handoff_us_p50": 150.0,
+    "handoff_us_p99": 2000.0,
+    "p50_growth_64": 2.0,
     # gpud over the floor in each harness and placement, and the daemon's CPU per uncontended cycle
-    **{f"{harness}_ratio_p{pct}": 3.0 for harness in ("handoff", "pair_handoff", "pair_two_cpus_handoff")
-       for pct in (50, 99)},
-    "daemon_cpu_us_per_cycle": 40.0, "daemon_cpu_us_per_cycle_two_cpus": 40.0,
+    **{
+        f"{harness}_ratio_p{pct}": 3.0
+        for harness in ("handoff", "pair_handoff", "pair_two_cpus_handoff")
+        for pct in (50, 99)
+    },
+    "daemon_cpu_us_per_cycle": 40.0,
+    "daemon_cpu_us_per_cycle_two_cpus": 40.0,
 }
 MANY = 64
 QUEUED_NS = 200_000  # pair harness: B asks this long before A releases
@@ -369,34 +375,53 @@ def processes_figures(ctx: Any, gpud: Server, floor: Server, cfg: BenchConfig) -
     idle = {"gpud": 0, "floor": 0}
     for i, rounds in enumerate(split(cfg.rounds, cfg.blocks)):
         for name, server in (("gpud", gpud), ("floor", floor)):
-            progress(f"processes harness, {name}, block {i + 1}/{cfg.blocks}: 1 client x {cfg.warmup} + {rounds} "
-                      f"cycles, then 2 clients, {rounds} handoffs after {cfg.warmup}, hold {cfg.hold_us} us")
+            progress(
+                f"processes harness, {name}, block {i + 1}/{cfg.blocks}: 1 client x {cfg.warmup} + {rounds} "
+                f"cycles, then 2 clients, {rounds} handoffs after {cfg.warmup}, hold {cfg.hold_us} us"
+            )
             cycles[name] += cycle_figures(ctx, server.path, cfg, rounds=rounds)
             samples, gaps = handoff_figures(ctx, server.path, cfg, clients=2, rounds=rounds)
             handoffs[name] += samples
             idle[name] += gaps
     return {
-        **_percentiles("uncontended_cycle", cycles["gpud"]), **_percentiles("floor_cycle", cycles["floor"]),
-        **_percentiles("handoff", handoffs["gpud"]), **_percentiles("floor_handoff", handoffs["floor"]),
-        "handoff_samples": len(handoffs["gpud"]), "handoff_idle": idle["gpud"],
-        "floor_handoff_samples": len(handoffs["floor"]), "floor_handoff_idle": idle["floor"],
+        **_percentiles("uncontended_cycle", cycles["gpud"]),
+        **_percentiles("floor_cycle", cycles["floor"]),
+        **_percentiles("handoff", handoffs["gpud"]),
+        **_percentiles("floor_handoff", handoffs["floor"]),
+        "handoff_samples": len(handoffs["gpud"]),
+        "handoff_idle": idle["gpud"],
+        "floor_handoff_samples": len(handoffs["floor"]),
+        "floor_handoff_idle": idle["floor"],
     }
 
 
 def many_figures(ctx: Any, gpud: Server, cfg: BenchConfig) -> dict[str, float]:
     progress(f"processes harness, gpud: {MANY} clients, {cfg.rounds} handoffs after {cfg.warmup}")
     samples, idle = handoff_figures(ctx, gpud.path, cfg, clients=MANY, rounds=cfg.rounds)
-    return {**_percentiles(f"handoff{MANY}", samples), f"handoff{MANY}_samples": len(samples),
-            f"handoff{MANY}_idle": idle}
+    return {
+        **_percentiles(f"handoff{MANY}", samples),
+        f"handoff{MANY}_samples": len(samples),
+        f"handoff{MANY}_idle": idle,
+    }
 
 
-def pair_figures(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg: BenchConfig, *, prefix: str,
-                 cpus: tuple[set[int], set[int]]) -> dict[str, float]:
+def pair_figures(
+    ctx: Any,
+    gpud: Server,
+    floor: Server,
+    trio_floor: Server,
+    cfg: BenchConfig,
+    *,
+    prefix: str,
+    cpus: tuple[set[int], set[int]],
+) -> dict[str, float]:
     """The issue's harness on gpud and both floors in one client process (see ``pair_worker``), pinned."""
     client, server = cpus
-    progress(f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
-              f"to each; {cfg.warmup} + {cfg.rounds} cycles each for CPU, then cycles and handoffs (B queued "
-              f"{QUEUED_NS // 1000} us before) in alternating blocks")
+    progress(
+        f"{prefix} harness: 1 process on CPU {sorted(client)}, the servers on {sorted(server)}, 2 connections "
+        f"to each; {cfg.warmup} + {cfg.rounds} cycles each for CPU, then cycles and handoffs (B queued "
+        f"{QUEUED_NS // 1000} us before) in alternating blocks"
+    )
     everywhere = os.sched_getaffinity(0)
     ours, theirs = ctx.Pipe(duplex=False)
     servers = (gpud, floor, trio_floor)
@@ -416,8 +441,11 @@ def pair_figures(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg:
         for s in servers:
             pin(s.pid, everywhere)
     suffix = prefix.removeprefix("pair")
-    named = ((prefix, f"daemon_cpu_us_per_cycle{suffix}"), (f"floor_{prefix}", f"floor_cpu_us_per_cycle{suffix}"),
-             (f"trio_floor_{prefix}", f"trio_floor_cpu_us_per_cycle{suffix}"))
+    named = (
+        (prefix, f"daemon_cpu_us_per_cycle{suffix}"),
+        (f"floor_{prefix}", f"floor_cpu_us_per_cycle{suffix}"),
+        (f"trio_floor_{prefix}", f"trio_floor_cpu_us_per_cycle{suffix}"),
+    )
     figures: dict[str, float] = {}
     for (name, cpu_key), r in zip(named, results):
         figures |= _percentiles(f"{name}_cycle", [ns / 1000 for ns in r["cycle_ns"]])
@@ -438,8 +466,10 @@ def measure(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg: Benc
     for prefix, cpus in placements().items():
         figures |= pair_figures(ctx, gpud, floor, trio_floor, cfg, prefix=prefix, cpus=cpus)
     figures["p50_growth_64"] = figures[f"handoff{MANY}_us_p50"] / figures["handoff_us_p50"]
-    for kind, gpud_key, floor_key in (("handoff", "handoff", "floor_handoff"), ("cycle", "uncontended_cycle",
-                                                                               "floor_cycle")):
+    for kind, gpud_key, floor_key in (
+        ("handoff", "handoff", "floor_handoff"),
+        ("cycle", "uncontended_cycle", "floor_cycle"),
+    ):
         for pct in (50, 99):
             figures[f"{kind}_ratio_p{pct}"] = figures[f"{gpud_key}_us_p{pct}"] / figures[f"{floor_key}_us_p{pct}"]
     return figures
@@ -447,23 +477,23 @@ def measure(ctx: Any, gpud: Server, floor: Server, trio_floor: Server, cfg: Benc
 
 HARNESSES = {
     "processes": "one OS process per client, each holding ~hold_us busy and asking again at once, placed by the "
-                 "kernel; the cycle and the 2-client handoff run on gpud and the floor in `blocks` alternating "
-                 "blocks, each after its own warm-up; keys uncontended_cycle_*, handoff_*, floor_cycle_*, "
-                 "floor_handoff_*, cycle_ratio_*, handoff_ratio_*, and handoff64_* (gpud only, one run)",
+    "kernel; the cycle and the 2-client handoff run on gpud and the floor in `blocks` alternating "
+    "blocks, each after its own warm-up; keys uncontended_cycle_*, handoff_*, floor_cycle_*, "
+    "floor_handoff_*, cycle_ratio_*, handoff_ratio_*, and handoff64_* (gpud only, one run)",
     "pair": "the issue's: one client process, two connections per server; a cycle is A alone, a handoff is A "
-            "holding, B asking, 200 us later A releasing (A's LOCK_RELEASED send -> B's LOCK_OK read); cycles then "
-            "handoffs in blocks of `pair_block` alternating between gpud, the floor and the trio floor. pair_*, "
-            "floor_pair_* and trio_floor_pair_*: client and servers pinned to one CPU; pair_two_cpus_*, "
-            "floor_pair_two_cpus_* and trio_floor_pair_two_cpus_*: the client on one CPU, the servers on the "
-            "other; *_ratio_p* is gpud / floor, *_ratio_trio_p* gpud / trio floor",
+    "holding, B asking, 200 us later A releasing (A's LOCK_RELEASED send -> B's LOCK_OK read); cycles then "
+    "handoffs in blocks of `pair_block` alternating between gpud, the floor and the trio floor. pair_*, "
+    "floor_pair_* and trio_floor_pair_*: client and servers pinned to one CPU; pair_two_cpus_*, "
+    "floor_pair_two_cpus_* and trio_floor_pair_two_cpus_*: the client on one CPU, the servers on the "
+    "other; *_ratio_p* is gpud / floor, *_ratio_trio_p* gpud / trio floor",
     "cpu": "daemon_cpu_us_per_cycle / floor_cpu_us_per_cycle / trio_floor_cpu_us_per_cycle (_two_cpus): utime + "
-           "stime (/proc/PID/stat, 10 ms ticks) over `cpu_cycles` pair-harness cycles on that server alone, "
-           "contiguous, before its latency blocks",
+    "stime (/proc/PID/stat, 10 ms ticks) over `cpu_cycles` pair-harness cycles on that server alone, "
+    "contiguous, before its latency blocks",
     "floor": "a minimal Python relay in its own process: selectors, gpud's framing and typed codec, "
-             "one FIFO and one holder, nothing else (bench/floor.py); the targets are against it",
+    "one FIFO and one holder, nothing else (bench/floor.py); the targets are against it",
     "trio_floor": "the same relay on trio (pair harness only): a trio socket listener, one task per connection "
-                  "reading as gpud's listener does (os.read, trio.lowlevel.wait_readable when nothing is expected), "
-                  "os.write to answer; gpud / trio floor is gpud's own cost, trio floor / floor trio's per-wakeup cost",
+    "reading as gpud's listener does (os.read, trio.lowlevel.wait_readable when nothing is expected), "
+    "os.write to answer; gpud / trio floor is gpud's own cost, trio floor / floor trio's per-wakeup cost",
 }
 
 
@@ -487,8 +517,11 @@ def report(figures: dict[str, float], cfg: BenchConfig, machine: dict[str, Any])
         "hold_us": cfg.hold_us,
         "warmup": cfg.warmup,
         **{k: v for k, v in us.items() if k.startswith(("floor_", "trio_floor_", "pair_", "daemon_cpu"))},
-        **{k: round(v, 2) for k, v in figures.items()
-           if k.endswith(("_ratio_p50", "_ratio_p99", "_ratio_trio_p50", "_ratio_trio_p99"))},
+        **{
+            k: round(v, 2)
+            for k, v in figures.items()
+            if k.endswith(("_ratio_p50", "_ratio_p99", "_ratio_trio_p50", "_ratio_trio_p99"))
+        },
         "pair_queued_us": QUEUED_NS // 1000,
         "blocks": cfg.blocks,
         "pair_block": PAIR_BLOCK,
@@ -529,9 +562,11 @@ def table(result: dict[str, Any]) -> str:
         f"(idle gaps left out: {idle['handoff']} / {idle[f'handoff{MANY}']})"
     )
     lines += ["", *_against_the_floors(result)]
-    lines.append(f"processes: one OS process per client, placed by the kernel, {result['blocks']} alternating blocks "
-                 f"per server; pair: one process, two connections per server, B queued {result['pair_queued_us']} "
-                 f"us before A releases, blocks of {result['pair_block']}; CPU over {result['cpu_cycles']} cycles")
+    lines.append(
+        f"processes: one OS process per client, placed by the kernel, {result['blocks']} alternating blocks "
+        f"per server; pair: one process, two connections per server, B queued {result['pair_queued_us']} "
+        f"us before A releases, blocks of {result['pair_block']}; CPU over {result['cpu_cycles']} cycles"
+    )
     lines.append(
         f"{result['cpus']} CPUs, load {result['loadavg_1m_before']} before the run, "
         f"{result['loadavg_1m_after']} after, took {result['elapsed_s']} s"
@@ -541,33 +576,51 @@ def table(result: dict[str, Any]) -> str:
 
 def _against_the_floors(result: dict[str, Any]) -> list[str]:
     """gpud beside the floor (the targets' ratio) and, in the pair harness, beside the trio floor."""
-    lines = ["gpud against the floor (a minimal Python relay) and the trio floor (the same on trio), same run, "
-             "same client code (us)",
-             f"{'harness':<16}{'figure':<14}{'gpud':>9}{'floor':>9}{'ratio':>8}{'trio floor':>12}{'gpud / trio':>13}"
-             f"{'target':>10}  met"]
+    lines = [
+        "gpud against the floor (a minimal Python relay) and the trio floor (the same on trio), same run, "
+        "same client code (us)",
+        f"{'harness':<16}{'figure':<14}{'gpud':>9}{'floor':>9}{'ratio':>8}{'trio floor':>12}{'gpud / trio':>13}"
+        f"{'target':>10}  met",
+    ]
     compared: list[tuple[str, str, str, str, str, str | None]] = [
         ("processes", "uncontended_cycle", "floor_cycle", "cycle", "cycle", None),
         ("processes", "handoff", "floor_handoff", "handoff", "handoff, 2", None),
     ]
-    compared += [(f"pair, {'1 CPU' if name == 'pair' else '2 CPUs'}", f"{name}_{kind}", f"floor_{name}_{kind}",
-                  f"{name}_{kind}", kind, f"trio_floor_{name}_{kind}") for name in placements()
-                 for kind in ("cycle", "handoff")]
+    compared += [
+        (
+            f"pair, {'1 CPU' if name == 'pair' else '2 CPUs'}",
+            f"{name}_{kind}",
+            f"floor_{name}_{kind}",
+            f"{name}_{kind}",
+            kind,
+            f"trio_floor_{name}_{kind}",
+        )
+        for name in placements()
+        for kind in ("cycle", "handoff")
+    ]
     for harness, gpud, floor, ratio, label, trio in compared:
         for pct in (50, 99):
             key = f"{ratio}_ratio_p{pct}"
             target, met = _met_cell(result, key, "x")
-            trio_cells = (f"{result[f'{trio}_us_p{pct}']:>12.1f}{result[f'{ratio}_ratio_trio_p{pct}']:>12.2f}x"
-                          if trio else " " * 25)
-            lines.append(f"{harness:<16}{label + f' p{pct}':<14}{result[f'{gpud}_us_p{pct}']:>9.1f}"
-                         f"{result[f'{floor}_us_p{pct}']:>9.1f}{result[key]:>7.2f}x{trio_cells}{target:>10}  "
-                         f"{met}".rstrip())
+            trio_cells = (
+                f"{result[f'{trio}_us_p{pct}']:>12.1f}{result[f'{ratio}_ratio_trio_p{pct}']:>12.2f}x"
+                if trio
+                else " " * 25
+            )
+            lines.append(
+                f"{harness:<16}{label + f' p{pct}':<14}{result[f'{gpud}_us_p{pct}']:>9.1f}"
+                f"{result[f'{floor}_us_p{pct}']:>9.1f}{result[key]:>7.2f}x{trio_cells}{target:>10}  "
+                f"{met}".rstrip()
+            )
     for suffix, where in (("", "1 CPU"), ("_two_cpus", "2 CPUs")):
         key = f"daemon_cpu_us_per_cycle{suffix}"
         if key in result:
             target, met = _met_cell(result, key, "us")
-            lines.append(f"daemon CPU per uncontended cycle (pair, {where}): {result[key]:.1f} us (the floor's: "
-                         f"{result[f'floor_cpu_us_per_cycle{suffix}']:.1f} us, the trio floor's: "
-                         f"{result[f'trio_floor_cpu_us_per_cycle{suffix}']:.1f} us), target {target}: {met}")
+            lines.append(
+                f"daemon CPU per uncontended cycle (pair, {where}): {result[key]:.1f} us (the floor's: "
+                f"{result[f'floor_cpu_us_per_cycle{suffix}']:.1f} us, the trio floor's: "
+                f"{result[f'trio_floor_cpu_us_per_cycle{suffix}']:.1f} us), target {target}: {met}"
+            )
     return lines
 
 
@@ -577,8 +630,12 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     ap.add_argument("--rounds", type=int, default=BenchConfig.rounds, help="measured samples per figure")
     ap.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="samples discarded first")
     ap.add_argument("--hold-us", type=int, default=BenchConfig.hold_us, help="spin time holding the lock")
-    ap.add_argument("--blocks", type=int, default=BenchConfig.blocks,
-                    help="alternating gpud / floor blocks in the processes harness")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=BenchConfig.blocks,
+        help="alternating gpud / floor blocks in the processes harness",
+    )
     args = ap.parse_args(argv)
     if args.blocks < 1 or args.rounds < args.blocks or args.warmup < 0 or args.hold_us < 0:
         ap.error("--blocks must be >= 1, --rounds >= --blocks, --warmup and --hold-us >= 0")
@@ -603,8 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # short: socket paths are limited to ~108 bytes
     relays: list[Any] = []
     try:
-        floor, trio_floor = (start_floor(ctx, floor_main, workdir, relays)
-                             for floor_main in (relay_main, trio_relay_main))
+        floor, trio_floor = (
+            start_floor(ctx, floor_main, workdir, relays) for floor_main in (relay_main, trio_relay_main)
+        )
         assert daemon.proc is not None
         figures = measure(ctx, Server(daemon.socket, daemon.proc.pid), floor, trio_floor, cfg)
         complaints = daemon.log().strip()

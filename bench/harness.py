@@ -41,5 +41,7 @@ class Run:
 
 def machine_line(m: dict[str, Any]) -> str:
     """The machine record as a table's last line says it."""
-    return (f"{m['cpus']} CPUs, load {m['loadavg_1m_before']} before, {m['loadavg_1m_after']} after, "
-            f"took {m['elapsed_s']} s")
+    return (
+        f"{m['cpus']} CPUs, load {m['loadavg_1m_before']} before, {m['loadavg_1m_after']} after, "
+        f"took {m['elapsed_s']} s"
+    )

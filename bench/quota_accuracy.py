@@ -187,8 +187,14 @@ def _specs(sc: Scenario, cfg: BenchConfig, index: int) -> list[WorkerSpec]:
     kind = "device" if sc.mode == "concurrent" else cfg.kernel
     lo, hi = (round(ms * 1e6) for ms in cfg.kernel_ms)
     return [
-        WorkerSpec(name=f"{sc.name}-{'ab'[i]}", limit=limit, seed=cfg.seed * 1000 + index * 10 + i,
-                   kernel=kind, lo_ns=lo, hi_ns=hi)
+        WorkerSpec(
+            name=f"{sc.name}-{'ab'[i]}",
+            limit=limit,
+            seed=cfg.seed * 1000 + index * 10 + i,
+            kernel=kind,
+            lo_ns=lo,
+            hi_ns=hi,
+        )
         for i, limit in enumerate(sc.limits)
     ]
 
@@ -197,7 +203,9 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
     began = time.monotonic()
     W = cfg.window_ns
     specs = _specs(sc, cfg, index)
-    progress(f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, {cfg.windows} windows of {cfg.window_s:g} s")
+    progress(
+        f"{sc.name}: {sc.mode}, limits {'+'.join(map(str, sc.limits))}, {cfg.windows} windows of {cfg.window_s:g} s"
+    )
     daemon = DaemonProcess(*daemon_flags(cfg, sc.mode))
     device: SimGpu | None = None
     workers: list[tuple[Any, Pipe]] = []
@@ -219,8 +227,9 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
             start = next_boundary(origin, W, time.monotonic_ns() + cfg.warmup_windows * W)
             end = start + cfg.windows * W
             stop.value = end + STOP_MARGIN_NS
-            reports = [receive(pipe, proc, (end - time.monotonic_ns()) / 1e9 + 2 * cfg.window_s + 30)
-                       for proc, pipe in workers]
+            reports = [
+                receive(pipe, proc, (end - time.monotonic_ns()) / 1e9 + 2 * cfg.window_s + 30) for proc, pipe in workers
+            ]
             daemon_view = {c.name: c.sessions[0] for c in obs.clients().clients if c.sessions}
             for _, pipe in workers:
                 pipe.send("close")
@@ -246,12 +255,19 @@ def run_scenario(ctx: Any, sc: Scenario, cfg: BenchConfig, index: int) -> dict[s
     wall = time.monotonic() - began
     busy = (busy_ns(log, start, end) if log is not None else sum(s["gpu_ns"] for s in sessions)) / (end - start)
     for s in sessions:
-        progress(f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %"
-                  + (f", error {s['error_pp']:+.3f} pp" if s["error_pp"] is not None else ""))
+        progress(
+            f"  session {s['session']} limit {s['limit']}: achieved {s['achieved']:.3f} %"
+            + (f", error {s['error_pp']:+.3f} pp" if s["error_pp"] is not None else "")
+        )
     return {
-        "name": sc.name, "mode": sc.mode, "windows": cfg.windows, "window_s": cfg.window_s,
+        "name": sc.name,
+        "mode": sc.mode,
+        "windows": cfg.windows,
+        "window_s": cfg.window_s,
         "device": "simgpu processor sharing (bench/simgpu.py)" if log is not None else f"serial kernels ({cfg.kernel})",
-        "gpu_busy_percent": _pct(100 * busy), "wall_s": round(wall, 1), "daemon_warnings": len(complaints.splitlines()),
+        "gpu_busy_percent": _pct(100 * busy),
+        "wall_s": round(wall, 1),
+        "daemon_warnings": len(complaints.splitlines()),
         "sessions": sessions,
     }
 
@@ -269,21 +285,30 @@ def _session_figures(
     lags = [((t - origin) % W) / 1e6 for t in in_interval if (t - origin) % W < 20_000_000]
     limited = spec.limit < UNLIMITED
     return {
-        "session": "ab"[index], "limit": spec.limit, "gpu_ns": gpu_ns,
+        "session": "ab"[index],
+        "limit": spec.limit,
+        "gpu_ns": gpu_ns,
         "achieved": _pct(achieved),
         "error_pp": _pct(achieved - spec.limit) if limited else None,
         "slowdown": round(100 / achieved, 3) if achieved > 0 else None,
-        "window_share_min": _pct(min(per_window)), "window_share_max": _pct(max(per_window)),
+        "window_share_min": _pct(min(per_window)),
+        "window_share_max": _pct(max(per_window)),
         "grants": len(in_interval),
         "quota_drops": sum(1 for t, why in r["drops"] if why == "quota" and start <= t < end),
         "kernels": sum(1 for s, e in zip(r["starts"], r["ends"]) if e > start and s < end),
         # held but idle between kernels (the client's slice exit/enter and this loop), in pp of the interval
         "gaps_in_holds_pp": _pct(100 * gaps_in_holds_ns(r, start, end) / (end - start)),
         # grants within 20 ms after a window start: lock given back by the reset
-        "reset_grants": len(lags), "reset_grant_lag_ms_median": round(statistics.median(lags), 3) if lags else None,
-        "daemon": None if view is None else {
-            "grants": view.grants, "drops": dict(view.drops), "throttles": view.throttles,
-            "budget_ms": view.budget_ms, "recent_share_percent": view.recent_share_percent,
+        "reset_grants": len(lags),
+        "reset_grant_lag_ms_median": round(statistics.median(lags), 3) if lags else None,
+        "daemon": None
+        if view is None
+        else {
+            "grants": view.grants,
+            "drops": dict(view.drops),
+            "throttles": view.throttles,
+            "budget_ms": view.budget_ms,
+            "recent_share_percent": view.recent_share_percent,
         },
     }
 
@@ -297,12 +322,22 @@ def entries(run: dict[str, Any], sc: Scenario) -> list[dict[str, Any]]:
         ref = REFERENCE.get(sc.name)
         e = {
             "name": sc.name if len(limited) == 1 else f"{sc.name}:{s['session']}{s['limit']}",
-            "scenario": sc.name, "mode": sc.mode, "target": float(s["limit"]), "achieved": s["achieved"],
-            "error_pp": s["error_pp"], "abs_error_pp": _pct(abs(s["error_pp"])), "tolerance_pp": sc.tolerance_pp,
-            "met": abs(s["error_pp"]) <= sc.tolerance_pp, "slowdown": s["slowdown"],
-            "reference_achieved": ref[0] if ref else None, "reference_slowdown": ref[1] if ref else None,
-            "windows": run["windows"], "grants": s["grants"], "quota_drops": s["quota_drops"],
-            "gaps_in_holds_pp": s["gaps_in_holds_pp"], "wall_s": run["wall_s"],
+            "scenario": sc.name,
+            "mode": sc.mode,
+            "target": float(s["limit"]),
+            "achieved": s["achieved"],
+            "error_pp": s["error_pp"],
+            "abs_error_pp": _pct(abs(s["error_pp"])),
+            "tolerance_pp": sc.tolerance_pp,
+            "met": abs(s["error_pp"]) <= sc.tolerance_pp,
+            "slowdown": s["slowdown"],
+            "reference_achieved": ref[0] if ref else None,
+            "reference_slowdown": ref[1] if ref else None,
+            "windows": run["windows"],
+            "grants": s["grants"],
+            "quota_drops": s["quota_drops"],
+            "gaps_in_holds_pp": s["gaps_in_holds_pp"],
+            "wall_s": run["wall_s"],
             # serial only: the error if the held time between kernels had been kernel time
             "error_with_gaps_counted_pp": _pct(s["error_pp"] + s["gaps_in_holds_pp"]) if sc.mode == "serial" else None,
         }
@@ -330,8 +365,9 @@ def relative_to_baseline(scenarios: list[dict[str, Any]], alone: float) -> None:
 def _gpuctl(path: str, *args: str) -> tuple[int, int]:
     """Run gpuctl; (launch, return) monotonic ns."""
     t0 = time.monotonic_ns()
-    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", path, *args], capture_output=True, text=True, timeout=30
+    )
     t1 = time.monotonic_ns()
     if out.returncode != 0:
         raise RuntimeError(f"gpuctl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
@@ -346,9 +382,13 @@ def run_limit_update(ctx: Any, cfg: BenchConfig) -> dict[str, Any]:
     """Lower an unlimited, busy session to 20 % mid-window and raise it back, ``limit_reps`` times."""
     began = time.monotonic()
     W = cfg.window_ns
-    progress(f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, then 20 % for {cfg.after_windows} windows")
+    progress(
+        f"{LIMIT_UPDATE}: serial, 100 -> 20 -> 100 % x {cfg.limit_reps}, then 20 % for {cfg.after_windows} windows"
+    )
     lo, hi = (round(ms * 1e6) for ms in cfg.kernel_ms)
-    spec = WorkerSpec(name=LIMIT_NAME, limit=UNLIMITED, seed=cfg.seed * 1000 + 999, kernel=cfg.kernel, lo_ns=lo, hi_ns=hi)
+    spec = WorkerSpec(
+        name=LIMIT_NAME, limit=UNLIMITED, seed=cfg.seed * 1000 + 999, kernel=cfg.kernel, lo_ns=lo, hi_ns=hi
+    )
     daemon = DaemonProcess(*daemon_flags(cfg, "serial"))
     worker: tuple[Any, Pipe] | None = None
     reps: list[dict[str, int | float]] = []
@@ -391,8 +431,10 @@ def run_limit_update(ctx: Any, cfg: BenchConfig) -> dict[str, Any]:
         progress(f"  the daemon logged warnings:\n{complaints}")
     result = _limit_figures(reps, rep, report, after_start, after_end, W, gpuctl_ms, cfg)
     result["wall_s"] = round(time.monotonic() - began, 1)
-    progress(f"  gpuctl return -> DROP_LOCK: {result['samples_ms']} ms; raise -> grant: {result['raise_samples_ms']} ms; "
-              f"share after the change {result['after_change']['achieved']:.3f} %")
+    progress(
+        f"  gpuctl return -> DROP_LOCK: {result['samples_ms']} ms; raise -> grant: {result['raise_samples_ms']} ms; "
+        f"share after the change {result['after_change']['achieved']:.3f} %"
+    )
     return result
 
 
@@ -401,8 +443,14 @@ def _first_at_or_after(times: list[int], t: int) -> int | None:
 
 
 def _limit_figures(
-    reps: list[dict[str, Any]], last: dict[str, Any], r: dict[str, Any], a: int, b: int, W: int,
-    gpuctl_ms: float, cfg: BenchConfig,
+    reps: list[dict[str, Any]],
+    last: dict[str, Any],
+    r: dict[str, Any],
+    a: int,
+    b: int,
+    W: int,
+    gpuctl_ms: float,
+    cfg: BenchConfig,
 ) -> dict[str, Any]:
     quota = [t for t, why in r["drops"] if why == "quota"]
     grants = list(r["grants"])
@@ -427,18 +475,27 @@ def _limit_figures(
     share = 100 * clipped_ns(r["starts"], r["ends"], a, b) / (b - a)
     per_window = [100 * clipped_ns(r["starts"], r["ends"], t, t + W) / W for t in range(a, b, W)]
     return {
-        "samples_ms": lower, "max_ms": max(lower), "median_ms": statistics.median(lower),
-        "from_launch_ms": lower_launch, "from_launch_max_ms": max(lower_launch),
+        "samples_ms": lower,
+        "max_ms": max(lower),
+        "median_ms": statistics.median(lower),
+        "from_launch_ms": lower_launch,
+        "from_launch_max_ms": max(lower_launch),
         "from_launch_median_ms": statistics.median(lower_launch),
-        "raise_samples_ms": rise, "raise_max_ms": max(rise) if rise else None,
+        "raise_samples_ms": rise,
+        "raise_max_ms": max(rise) if rise else None,
         "raise_from_launch_ms": rise_launch,
         "used_before_min_ms": min(rep["used_before_ms"] for rep in reps + [last]),
-        "gpuctl_status_ms": round(gpuctl_ms, 1), "flags": flags,
+        "gpuctl_status_ms": round(gpuctl_ms, 1),
+        "flags": flags,
         "after_change": {
-            "target": 20.0, "achieved": _pct(share), "error_pp": _pct(share - 20), "windows": cfg.after_windows,
+            "target": 20.0,
+            "achieved": _pct(share),
+            "error_pp": _pct(share - 20),
+            "windows": cfg.after_windows,
             "window_shares": [_pct(x) for x in per_window],
         },
-        "target_ms": TARGETS["limit_update_ms"], "met": max(lower) <= TARGETS["limit_update_ms"],
+        "target_ms": TARGETS["limit_update_ms"],
+        "met": max(lower) <= TARGETS["limit_update_ms"],
         "reference_ms": REFERENCE_LIMIT_UPDATE_MS,
     }
 
@@ -447,8 +504,10 @@ def _limit_figures(
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'scenario':<20}{'target':>8}{'achieved':>10}{'error':>10}{'tol':>6}{'gaps':>7}{'slowdown':>10}"
-             f"{'vs alone':>10}  {'nvshare-derived':<16} met"]
+    lines = [
+        f"{'scenario':<20}{'target':>8}{'achieved':>10}{'error':>10}{'tol':>6}{'gaps':>7}{'slowdown':>10}"
+        f"{'vs alone':>10}  {'nvshare-derived':<16} met"
+    ]
     for e in result["scenarios"]:
         ref = f"{e['reference_achieved']:.1f} % ({e['reference_slowdown']:.2f}x)" if e["reference_achieved"] else ""
         alone = f"{e['share_of_alone']:.2f} %" if "share_of_alone" in e else "-"
@@ -472,14 +531,18 @@ def table(result: dict[str, Any]) -> str:
             f"raise 20 -> 100 %, gpuctl return -> grant: max {lu['raise_max_ms']:+.1f} ms"
         )
         ac = lu["after_change"]
-        lines.append(f"  share over {ac['windows']} windows after the change: {ac['achieved']:.2f} % "
-                     f"(target 20, error {ac['error_pp']:+.2f} pp)" + (f"; flags: {lu['flags']}" if lu["flags"] else ""))
+        lines.append(
+            f"  share over {ac['windows']} windows after the change: {ac['achieved']:.2f} % "
+            f"(target 20, error {ac['error_pp']:+.2f} pp)" + (f"; flags: {lu['flags']}" if lu["flags"] else "")
+        )
     c = result["config"]
     lines.append("error = achieved - target (pp); tol = allowed |error|; gaps = lock held between two kernels (pp)")
     if "baseline_achieved" in result:
-        lines.append(f"vs alone = achieved / {result['baseline_achieved']:.2f} %, what the same kind of process got "
-                     "alone and unlimited, and slowdown against that run (the nvshare-derived figures are measured "
-                     "that way)")
+        lines.append(
+            f"vs alone = achieved / {result['baseline_achieved']:.2f} %, what the same kind of process got "
+            "alone and unlimited, and slowdown against that run (the nvshare-derived figures are measured "
+            "that way)"
+        )
     lines.append(
         f"window {c['window_s']:g} s, {c['windows']} windows per scenario after {c['warmup_windows']}-"
         f"{c['warmup_windows'] + 1} warm-up windows, kernels {c['kernel_ms'][0]:g}-{c['kernel_ms'][1]:g} ms "
@@ -488,8 +551,10 @@ def table(result: dict[str, Any]) -> str:
     )
     cold = result["host_cold_code_ns"]
     lines.append(f"{machine_line(result)}; all met: {result['met_all']}")
-    lines.append(f"host: two list operations right after 3 ms of work took {cold['before']} ns before, "
-                 f"{cold['after']} ns after (warm: ~250 ns; the gaps grow with it)")
+    lines.append(
+        f"host: two list operations right after 3 ms of work took {cold['before']} ns before, "
+        f"{cold['after']} ns after (warm: ~250 ns; the gaps grow with it)"
+    )
     return "\n".join(lines)
 
 
@@ -513,9 +578,13 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, list[str], bool]:
     if args.windows < 1:
         ap.error("--windows must be >= 1")
     cfg = BenchConfig(
-        windows=args.windows, window_s=args.window if args.window is not None else 2.0,
-        window_given=args.window is not None, carryover=args.carryover, drop_tail=args.drop_tail,
-        seed=args.seed, kernel=args.kernel,
+        windows=args.windows,
+        window_s=args.window if args.window is not None else 2.0,
+        window_given=args.window is not None,
+        carryover=args.carryover,
+        drop_tail=args.drop_tail,
+        seed=args.seed,
+        kernel=args.kernel,
     )
     return cfg, chosen, args.json
 

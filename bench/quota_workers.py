@@ -67,7 +67,11 @@ def session_worker(path: str, spec: WorkerSpec, stop: Any, device: Pipe | None, 
     client = Client(path, name=spec.name)
     try:
         session = client.session(
-            0, core_limit=spec.limit, mem_estimate="1GiB", idle_release=None, framework_hooks=False,
+            0,
+            core_limit=spec.limit,
+            mem_estimate="1GiB",
+            idle_release=None,
+            framework_hooks=False,
             on_drop=lambda reason: drops.append((time.monotonic_ns(), str(reason))),
         )
         run = _kernel_runner(spec.kernel, device)
@@ -91,8 +95,16 @@ def session_worker(path: str, spec: WorkerSpec, stop: Any, device: Pipe | None, 
             ends.append(t1)
             if t1 >= stop.value:
                 break
-        out.send({"starts": starts, "ends": ends, "grants": grants, "drops": list(drops),
-                  "client_grants": session.grants, "client_drops": session.drops})
+        out.send(
+            {
+                "starts": starts,
+                "ends": ends,
+                "grants": grants,
+                "drops": list(drops),
+                "client_grants": session.grants,
+                "client_drops": session.drops,
+            }
+        )
         out.recv()  # the parent has read the daemon's figures
     finally:
         client.close()

@@ -270,8 +270,9 @@ class LoadClient:
         assert c is not None
         task_type = LEASE_TYPES[self.tasks % len(LEASE_TYPES)]
         self.tasks += 1
-        r = self.timed("lease_acquire", lambda: c.acquire(
-            gpu, task_type, max_wait_ms=LEASE_WAIT_MS, mem_estimate=LEASE_MEM))
+        r = self.timed(
+            "lease_acquire", lambda: c.acquire(gpu, task_type, max_wait_ms=LEASE_WAIT_MS, mem_estimate=LEASE_MEM)
+        )
         if not r.acquired or r.lease_id is None:
             raise Refusal(f"lease on GPU {gpu} {r.status} ({r.reason})", f"{r.status} {r.reason} (GPU {gpu})")
         self.rec.lease_wait.append(r.queue_wait_ms)
@@ -362,11 +363,23 @@ def load_process(path: str, specs: list[Spec], seed: int, out: Pipe) -> None:
     finally:
         for lc in clients:
             lc.drop()
-    out.send(("done", {
-        "lat": rec.lat, "at": rec.at, "cycles": dict(rec.cycles), "errors": dict(rec.errors),
-        "reasons": dict(rec.reasons), "hold": rec.hold, "lease_wait": rec.lease_wait,
-        "messages": rec.messages, "elsewhere": rec.elsewhere, "cpu_s": rec.cpu_s,
-    }))
+    out.send(
+        (
+            "done",
+            {
+                "lat": rec.lat,
+                "at": rec.at,
+                "cycles": dict(rec.cycles),
+                "errors": dict(rec.errors),
+                "reasons": dict(rec.reasons),
+                "hold": rec.hold,
+                "lease_wait": rec.lease_wait,
+                "messages": rec.messages,
+                "elsewhere": rec.elsewhere,
+                "cpu_s": rec.cpu_s,
+            },
+        )
+    )
     out.close()
 
 
@@ -518,8 +531,13 @@ def _drive(pid: int, plan: Plan, pipes: list[Pipe], procs: list[Any], probe: Cli
     load_cpu = (cpu_end - cpu_warm) / (plan.seconds - plan.warmup_s) * 100
     host_busy = (host_end[0] - host_warm[0]) / max(1, host_end[1] - host_warm[1]) * 100
     return {
-        "results": results, "rss_start": rss_start, "rss_end": rss_end, "trend": trend, "load_cpu": load_cpu,
-        "host_busy": host_busy, "locks": locks,
+        "results": results,
+        "rss_start": rss_start,
+        "rss_end": rss_end,
+        "trend": trend,
+        "load_cpu": load_cpu,
+        "host_busy": host_busy,
+        "locks": locks,
     }
 
 
@@ -546,8 +564,10 @@ def run_idle(ctx: Any, path: str, pid: int, plan: Plan, procs: list[Any]) -> dic
     procs.append(proc)
     expect_reply(ours, "attaching idle clients", START_TIMEOUT_S)
     with Client(path, name="soak-probe", request_timeout=REQUEST_TIMEOUT_S) as probe:
+
         def attached() -> int:
             return sum(len(c.sessions) for c in probe.clients().clients if c.name.startswith("soak-idle-"))
+
         all_attached = wait_for(lambda: attached() == plan.idle_clients, GONE_TIMEOUT_S)
         sessions = attached()
     _progress(f"idle: {sessions} idle clients attached; measuring {plan.idle_seconds:g} s")
@@ -591,8 +611,15 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         messages.extend(r["messages"])
         elsewhere += r["elsewhere"]
     return {
-        "lat": lat, "at": at, "cycles": cycles, "errors": errors, "reasons": reasons, "messages": messages,
-        "hold": hold, "lease_wait": lease_wait, "elsewhere": elsewhere,
+        "lat": lat,
+        "at": at,
+        "cycles": cycles,
+        "errors": errors,
+        "reasons": reasons,
+        "messages": messages,
+        "hold": hold,
+        "lease_wait": lease_wait,
+        "elsewhere": elsewhere,
     }
 
 
@@ -722,16 +749,29 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, bool]:
     ap.add_argument("--idle-clients", type=int, default=Plan.idle_clients, help="idle attached clients")
     ap.add_argument("--procs", type=int, default=Plan.procs, help="worker processes the load clients share")
     ap.add_argument("--seed", type=int, default=Plan.seed)
-    ap.add_argument("--think-ms", type=float, nargs=2, default=[THINK_S[0] * 1000, THINK_S[1] * 1000],
-                    metavar=("MIN", "MAX"), help="think time between a client's cycles, uniform")
+    ap.add_argument(
+        "--think-ms",
+        type=float,
+        nargs=2,
+        default=[THINK_S[0] * 1000, THINK_S[1] * 1000],
+        metavar=("MIN", "MAX"),
+        help="think time between a client's cycles, uniform",
+    )
     a = ap.parse_args(argv)
     if a.seconds <= 0 or a.idle_seconds <= 0 or a.clients < len(KINDS) or a.idle_clients < 1 or a.procs < 1:
         ap.error("--seconds and --idle-seconds must be > 0, --clients >= 3, --idle-clients and --procs >= 1")
     if not 1 <= a.think_ms[0] <= a.think_ms[1] <= 60_000:
         ap.error("--think-ms needs 1 <= MIN <= MAX <= 60000")
     procs = min(a.procs, a.clients)
-    plan = Plan(seconds=a.seconds, clients=a.clients, idle_seconds=a.idle_seconds, idle_clients=a.idle_clients,
-                procs=procs, seed=a.seed, think_s=(a.think_ms[0] / 1000, a.think_ms[1] / 1000))
+    plan = Plan(
+        seconds=a.seconds,
+        clients=a.clients,
+        idle_seconds=a.idle_seconds,
+        idle_clients=a.idle_clients,
+        procs=procs,
+        seed=a.seed,
+        think_s=(a.think_ms[0] / 1000, a.think_ms[1] / 1000),
+    )
     return plan, a.json
 
 
@@ -775,8 +815,11 @@ def main(argv: list[str] | None = None) -> int:
         lines = log.splitlines()
         _progress(f"the daemon logged {len(lines)} warning line(s); the first:\n" + "\n".join(lines[:10]))
     extra = {
-        "daemon_alive": alive, "daemon_warnings": daemon_warnings(log), "cpus": os.cpu_count(),
-        "loadavg_1m_before": round(load_before, 2), "elapsed_s": round(time.monotonic() - began, 1),
+        "daemon_alive": alive,
+        "daemon_warnings": daemon_warnings(log),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_before": round(load_before, 2),
+        "elapsed_s": round(time.monotonic() - began, 1),
     }
     result = report(plan, load, after, idle, extra)
     print(table(result))

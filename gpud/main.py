@@ -95,15 +95,26 @@ def start_metrics(config: Config, registry: CollectorRegistry) -> None:
 
 
 async def run(config: Config, reload_config: Callable[[], Config]) -> None:
-    log.info("starting", version=__version__, pid=os.getpid(), socket=config.socket, mode=str(config.mode),
-             state_dir=config.state_dir, metrics_addr=config.metrics_addr)
+    log.info(
+        "starting",
+        version=__version__,
+        pid=os.getpid(),
+        socket=config.socket,
+        mode=str(config.mode),
+        state_dir=config.state_dir,
+        metrics_addr=config.metrics_addr,
+    )
     state = lockfile.acquire(config.state_dir)  # one daemon per state directory
     clean = False
     try:
         grace_s = config.restart_grace_s if state.crashed_pid is not None else 0.0
         if state.crashed_pid is not None:
-            log.warning("restarted_after_crash", previous_pid=state.crashed_pid, restart_grace_s=grace_s,
-                        hint="nothing is granted during the grace, so former holders learn they lost the lock first")
+            log.warning(
+                "restarted_after_crash",
+                previous_pid=state.crashed_pid,
+                restart_grace_s=grace_s,
+                hint="nothing is granted during the grace, so former holders learn they lost the lock first",
+            )
         gpus = await _discover(config)
         registry = CollectorRegistry()
         daemon = Daemon(config, gpus, Metrics(registry), restart_grace_us=round(grace_s * 1e6))
@@ -128,16 +139,23 @@ async def _discover(config: Config) -> list[Gpu]:
     clear reason (systemd retries) rather than leaving a daemon that never gets ready."""
     with trio.move_on_after(DISCOVERY_TIMEOUT_S):
         return await trio.to_thread.run_sync(discover, config.simulate, abandon_on_cancel=True)
-    raise RuntimeError(f"NVML did not answer within {DISCOVERY_TIMEOUT_S:g} s at start-up (a hung driver or GPU?); "
-                       f"check nvidia-smi, then start gpud again")
+    raise RuntimeError(
+        f"NVML did not answer within {DISCOVERY_TIMEOUT_S:g} s at start-up (a hung driver or GPU?); "
+        f"check nvidia-smi, then start gpud again"
+    )
 
 
-async def _serve(daemon: Daemon, config: Config, registry: CollectorRegistry,
-                 reload_config: Callable[[], Config]) -> None:
+async def _serve(
+    daemon: Daemon, config: Config, registry: CollectorRegistry, reload_config: Callable[[], Config]
+) -> None:
     daemon.links.descriptor_room = descriptor_room()
     if daemon.links.max_connections < config.max_connections:
-        log.warning("max_connections_lowered", max_connections=daemon.links.max_connections,
-                    configured=config.max_connections, reason="RLIMIT_NOFILE leaves no room for more")
+        log.warning(
+            "max_connections_lowered",
+            max_connections=daemon.links.max_connections,
+            configured=config.max_connections,
+            reason="RLIMIT_NOFILE leaves no room for more",
+        )
     systemd.open_notify_socket()  # now, while descriptors are free: the watchdog must ping even when none are
     start_metrics(config, registry)
     inherited = systemd.listen_fds()
@@ -218,8 +236,11 @@ def _reload(daemon: Daemon, reload_config: Callable[[], Config]) -> None:
         else:
             log.info("config_reloaded", changed=changed)
             if later:
-                log.warning("config_reload_needs_restart", keys=later,
-                            hint="these keep their running values until gpud restarts")
+                log.warning(
+                    "config_reload_needs_restart",
+                    keys=later,
+                    hint="these keep their running values until gpud restarts",
+                )
     systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
 
 
@@ -265,8 +286,13 @@ class SlowTurns(trio.abc.Instrument):
         took = time.perf_counter_ns() - self._began
         if took >= self.threshold_ns:
             cpu = time.thread_time_ns() - self._cpu_began
-            log.warning("loop_turn_slow", turn_ms=round(took / 1e6, 3), cpu_ms=round(cpu / 1e6, 3),
-                        gc_ms=round(self._gc_ns / 1e6, 3), threshold_ms=self.threshold_ns / 1e6)
+            log.warning(
+                "loop_turn_slow",
+                turn_ms=round(took / 1e6, 3),
+                cpu_ms=round(cpu / 1e6, 3),
+                gc_ms=round(self._gc_ns / 1e6, 3),
+                threshold_ms=self.threshold_ns / 1e6,
+            )
 
 
 def instruments(environ: Mapping[str, str]) -> list[trio.abc.Instrument]:

@@ -23,7 +23,9 @@ class ClientBase:
         self.labels = dict(labels or {})
         self.reconnect = reconnect
         self.request_timeout = request_timeout
-        self._core = ClientCore(path, unavailable_timeout=unavailable_timeout, proceed_unarbitrated=proceed_unarbitrated)
+        self._core = ClientCore(
+            path, unavailable_timeout=unavailable_timeout, proceed_unarbitrated=proceed_unarbitrated
+        )
 
     @property
     def welcome(self) -> p.Welcome:

@@ -133,7 +133,9 @@ class SyncDriver(ClientBase):
             self._cond.notify_all()
         if sid:
             try:
-                self._request(lambda done: self._core.start(p.Detach(id=0, session=sid), done), "DETACH", self.request_timeout)
+                self._request(
+                    lambda done: self._core.start(p.Detach(id=0, session=sid), done), "DETACH", self.request_timeout
+                )
             except GpudError:
                 pass  # gone with the connection either way
 

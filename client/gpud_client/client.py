@@ -110,8 +110,12 @@ class Client(SyncDriver):
         request_timeout: float = 10.0,
     ) -> None:
         super().__init__(
-            p.resolve_socket_path(socket), name=name, labels=labels, reconnect=reconnect,
-            unavailable_timeout=unavailable_timeout, proceed_unarbitrated=proceed_unarbitrated,
+            p.resolve_socket_path(socket),
+            name=name,
+            labels=labels,
+            reconnect=reconnect,
+            unavailable_timeout=unavailable_timeout,
+            proceed_unarbitrated=proceed_unarbitrated,
             request_timeout=request_timeout,
         )
 
@@ -129,8 +133,13 @@ class Client(SyncDriver):
     ) -> Client:
         """The same as ``Client(...)``, spelled as ``AsyncClient.connect``."""
         return cls(
-            socket, name=name, labels=labels, reconnect=reconnect, unavailable_timeout=unavailable_timeout,
-            proceed_unarbitrated=proceed_unarbitrated, request_timeout=request_timeout,
+            socket,
+            name=name,
+            labels=labels,
+            reconnect=reconnect,
+            unavailable_timeout=unavailable_timeout,
+            proceed_unarbitrated=proceed_unarbitrated,
+            request_timeout=request_timeout,
         )
 
     # --- requests -------------------------------------------------------------
@@ -159,10 +168,20 @@ class Client(SyncDriver):
         ``on_lost`` is told at once when the session loses a lock it held. ``task_id``: the
         fractional allocation the session belongs to, whose share caps its limits."""
         s = Session(
-            self, gpu, priority=priority, idle_release=idle_release, on_drop=on_drop, synchronize=synchronize,
-            on_lost=on_lost, core_limit=core_limit, mem_limit=size(mem_limit), mem_estimate=size(mem_estimate),
-            memory_probe=memory_probe or default_memory_probe(framework_hooks), framework_hooks=framework_hooks,
-            memory_cap=default_memory_cap(framework_hooks), task_id=task_id,
+            self,
+            gpu,
+            priority=priority,
+            idle_release=idle_release,
+            on_drop=on_drop,
+            synchronize=synchronize,
+            on_lost=on_lost,
+            core_limit=core_limit,
+            mem_limit=size(mem_limit),
+            mem_estimate=size(mem_estimate),
+            memory_probe=memory_probe or default_memory_probe(framework_hooks),
+            framework_hooks=framework_hooks,
+            memory_cap=default_memory_cap(framework_hooks),
+            task_id=task_id,
         )
         self._request(lambda done: self._core.attach(s, done), "ATTACH", self.request_timeout)
         return s
@@ -229,8 +248,15 @@ class Client(SyncDriver):
         """Ask for a lease; fields left out come from the task type's policy. Waits at most max_wait
         plus the request timeout; a grant that comes after the caller gave up is released at once."""
         msg = acquire_msg(
-            gpu, task_type, priority=priority, max_wait_ms=max_wait_ms, hold_max_ms=hold_max_ms,
-            queue_limit=queue_limit, busy_policy=busy_policy, mem_estimate=mem_estimate, trace=trace,
+            gpu,
+            task_type,
+            priority=priority,
+            max_wait_ms=max_wait_ms,
+            hold_max_ms=hold_max_ms,
+            queue_limit=queue_limit,
+            busy_policy=busy_policy,
+            mem_estimate=mem_estimate,
+            trace=trace,
         )
         result: p.LeaseResult = self.call(msg, timeout=acquire_timeout(msg, self.request_timeout))
         return result

@@ -49,8 +49,11 @@ class LockLost(GpudError):
     slice takes the lock afresh."""
 
     def __init__(self, session: int, gpu: int, why: str, in_use: bool = True) -> None:
-        what = ("the work since then ran unarbitrated" if in_use
-                else "it was kept between slices, so no work ran without it")
+        what = (
+            "the work since then ran unarbitrated"
+            if in_use
+            else "it was kept between slices, so no work ran without it"
+        )
         super().__init__(f"session {session} lost the GPU lock on GPU {gpu}: {why}; {what}")
         self.session = session
         self.gpu = gpu

@@ -56,7 +56,9 @@ from typing import Any, Literal, TypeVar
 try:
     import ray
 except ImportError as exc:  # the base client needs msgspec alone; this module needs Ray too
-    raise ImportError(f"gpud_client.ray needs Ray: pip install './client[ray]' from a checkout of gpud ({exc})") from exc
+    raise ImportError(
+        f"gpud_client.ray needs Ray: pip install './client[ray]' from a checkout of gpud ({exc})"
+    ) from exc
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
@@ -112,7 +114,10 @@ class Binding:
         try:
             self._free_earlier_attempt()
             allocated = self.client.allocate(
-                self.task_id, gpus=share, prefer=list(ids), owner_pid=os.getpid(),
+                self.task_id,
+                gpus=share,
+                prefer=list(ids),
+                owner_pid=os.getpid(),
                 wait_ms=round(self.options.wait_s * 1000),
             )
             if sorted(allocated.gpus) != ids:
@@ -122,12 +127,18 @@ class Binding:
                 )
             memory = self._memory_limit()
             for local, gpu in enumerate(ids):  # Ray makes the task's GPUs its CUDA devices 0, 1, ...
-                self.sessions.append(self.client.session(
-                    gpu, task_id=self.task_id, priority=self.options.priority,
-                    idle_release=self.options.idle_release, mem_limit=memory,
-                    mem_estimate=self._estimate(gpu, share), framework_hooks=self.options.memory is not None,
-                    synchronize=torch_synchronize(local),
-                ))
+                self.sessions.append(
+                    self.client.session(
+                        gpu,
+                        task_id=self.task_id,
+                        priority=self.options.priority,
+                        idle_release=self.options.idle_release,
+                        mem_limit=memory,
+                        mem_estimate=self._estimate(gpu, share),
+                        framework_hooks=self.options.memory is not None,
+                        synchronize=torch_synchronize(local),
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -176,8 +187,9 @@ class Binding:
             try:
                 self.client.release_allocation(self.task_id)
             except GpudError as exc:
-                log.warning("could not free %s at once (gpud reclaims it when this worker exits): %s",
-                            self.task_id, exc)
+                log.warning(
+                    "could not free %s at once (gpud reclaims it when this worker exits): %s", self.task_id, exc
+                )
         self.task_id = ""
 
 

@@ -42,7 +42,9 @@ def parse_bytes(text: str) -> int:
     """'8GiB' -> 8589934592. Whole bytes only; negative or unknown units refused."""
     m = _SIZE.match(text)
     if not m:
-        raise ValueError(f"not a size: {text!r} (expected bytes or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+        raise ValueError(
+            f"not a size: {text!r} (expected bytes or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
     number, unit = m.groups()
     factor = _UNITS.get(unit.upper())
     if factor is None:

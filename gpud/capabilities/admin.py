@@ -25,7 +25,10 @@ class Admin:
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            p.SetMode: self.set_mode, p.SchedOn: self.switch, p.SchedOff: self.switch, p.SetTq: self.set_tq,
+            p.SetMode: self.set_mode,
+            p.SchedOn: self.switch,
+            p.SchedOff: self.switch,
+            p.SetTq: self.set_tq,
         }
 
     def set_mode(self, conn: ClientLink, msg: p.SetMode, now: int) -> p.Ok:

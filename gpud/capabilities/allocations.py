@@ -50,7 +50,12 @@ class Allocations(Part):
     waiters the ledger serves or expires."""
 
     def __init__(
-        self, pieces: Pieces, faults: Faults, config: Config, cpus: list[int], wake: Callable[[], None],
+        self,
+        pieces: Pieces,
+        faults: Faults,
+        config: Config,
+        cpus: list[int],
+        wake: Callable[[], None],
     ) -> None:
         super().__init__(pieces)
         self.faults = faults
@@ -59,8 +64,13 @@ class Allocations(Part):
         self.effects.on(Served, self._served)
         self.effects.on(Expired, self._expired)
         specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in self.slots]
-        self.ledger = Ledger(specs, cpus, tenants=_quotas(config), seed=int.from_bytes(os.urandom(4), "big"),
-                             max_waiters=config.max_allocation_waiters)
+        self.ledger = Ledger(
+            specs,
+            cpus,
+            tenants=_quotas(config),
+            seed=int.from_bytes(os.urandom(4), "big"),
+            max_waiters=config.max_allocation_waiters,
+        )
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
             self.uids: dict[str, int] = {}  # task id -> uid that allocated it
@@ -86,8 +96,13 @@ class Allocations(Part):
             log.info("allocations_restored", count=len(self.uids), path=self.store.path)
 
     def _set_aside(self, task_id: str, reason: str) -> None:
-        log.error("allocation_set_aside", task_id=task_id, reason=reason, path=self.store.path,
-                  hint="kept in the set_aside table of the store; gpud runs without it")
+        log.error(
+            "allocation_set_aside",
+            task_id=task_id,
+            reason=reason,
+            path=self.store.path,
+            hint="kept in the set_aside table of the store; gpud runs without it",
+        )
         self.metrics.node.store_records_set_aside.inc()
         try:
             self.store.set_aside(task_id, reason)
@@ -113,7 +128,9 @@ class Allocations(Part):
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            p.Allocate: self.allocate, p.Free: self.free, p.ListAllocations: self.list_allocations,
+            p.Allocate: self.allocate,
+            p.Free: self.free,
+            p.ListAllocations: self.list_allocations,
             p.ResetAllocations: self.reset,
         }
 
@@ -128,9 +145,15 @@ class Allocations(Part):
         self.access.check_priority(conn, priority, "allocation")
         priority = 50 if priority is None else priority
         req = Request(
-            task_id=msg.task_id, gpus=to_fixed(msg.gpus), cpus=msg.cpus,
-            prefer=tuple(self._prefer(ref) for ref in msg.prefer), strategy=msg.strategy, tenant=msg.tenant,
-            priority=priority, owner_pid=msg.owner_pid, wait_us=msg.wait_ms * 1000,
+            task_id=msg.task_id,
+            gpus=to_fixed(msg.gpus),
+            cpus=msg.cpus,
+            prefer=tuple(self._prefer(ref) for ref in msg.prefer),
+            strategy=msg.strategy,
+            tenant=msg.tenant,
+            priority=priority,
+            owner_pid=msg.owner_pid,
+            wait_us=msg.wait_ms * 1000,
         )
         existing = self.ledger.get(msg.task_id)
         cp = self.ledger.checkpoint()
@@ -185,7 +208,9 @@ class Allocations(Part):
 
     def reset(self, conn: ClientLink, msg: p.ResetAllocations, now: int) -> p.Ok:
         if not self.access.is_admin(conn):
-            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})")
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})"
+            )
         released = self.ledger.allocations()
         cp = self.ledger.checkpoint()
         effects = [e for alloc in released for e in self.ledger.release(alloc.task_id, now)[1]]
@@ -215,8 +240,9 @@ class Allocations(Part):
                 if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
                     cp = self.ledger.checkpoint()
                     _, effects = self.ledger.release(alloc.task_id, now)
-                    self._store(cp, f"task {alloc.task_id!r} was not reclaimed", delete=[alloc.task_id],
-                                effects=effects)
+                    self._store(
+                        cp, f"task {alloc.task_id!r} was not reclaimed", delete=[alloc.task_id], effects=effects
+                    )
                     self.uids.pop(alloc.task_id, None)
                     log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
                     self.effects.carry_out(effects, now)
@@ -240,10 +266,17 @@ class Allocations(Part):
 
     def answer(self, rid: int, alloc: Allocation, waited_ms: float) -> p.Allocated:
         return p.Allocated(
-            id=rid, task_id=alloc.task_id, gpus=list(alloc.gpus),
-            uuids=[self.slots[g].gpu.uuid for g in alloc.gpus], share=alloc.share / UNIT,
-            cpus=list(alloc.cpus), cuda_visible_devices=",".join(map(str, alloc.gpus)), tenant=alloc.tenant,
-            priority=alloc.priority, owner_pid=alloc.owner_pid, waited_ms=round(waited_ms, 3),
+            id=rid,
+            task_id=alloc.task_id,
+            gpus=list(alloc.gpus),
+            uuids=[self.slots[g].gpu.uuid for g in alloc.gpus],
+            share=alloc.share / UNIT,
+            cpus=list(alloc.cpus),
+            cuda_visible_devices=",".join(map(str, alloc.gpus)),
+            tenant=alloc.tenant,
+            priority=alloc.priority,
+            owner_pid=alloc.owner_pid,
+            waited_ms=round(waited_ms, 3),
         )
 
     def listing(self, rid: int) -> p.AllocationsReply:
@@ -251,28 +284,46 @@ class Allocations(Part):
         for slot in self.slots:
             free = self.ledger.gpu_free(slot.gpu.index)
             tasks = {t: share / UNIT for t, share in self.ledger.gpu_tasks(slot.gpu.index).items()}
-            gpus.append(p.GpuAllocationSummary(index=slot.gpu.index, uuid=slot.gpu.uuid,
-                                               allocated=(UNIT - free) / UNIT, free=free / UNIT, tasks=tasks))
+            gpus.append(
+                p.GpuAllocationSummary(
+                    index=slot.gpu.index,
+                    uuid=slot.gpu.uuid,
+                    allocated=(UNIT - free) / UNIT,
+                    free=free / UNIT,
+                    tasks=tasks,
+                )
+            )
         tenants = {
             name: p.TenantSummary(quota=t.gpus, borrow=t.borrow, used=self.ledger.tenant_usage(name) / UNIT)
             for name, t in self.config.tenants.items()
         }
         return p.AllocationsReply(
-            id=rid, allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()],
-            waiting=[r.task_id for r in self.ledger.waiting()], gpus=gpus, cpus_total=self.ledger.cpu_count,
-            cpus_free=self.ledger.cpus_free(), tenants=tenants,
+            id=rid,
+            allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()],
+            waiting=[r.task_id for r in self.ledger.waiting()],
+            gpus=gpus,
+            cpus_total=self.ledger.cpu_count,
+            cpus_free=self.ledger.cpus_free(),
+            tenants=tenants,
         )
 
     # --- helpers ------------------------------------------------------------
 
     def _store(
-        self, cp: Checkpoint, refusal: str, *, put: list[tuple[Allocation, int]] | None = None,
-        delete: list[str] | None = None, clear: bool = False, effects: list[LedgerEffect] | None = None,
+        self,
+        cp: Checkpoint,
+        refusal: str,
+        *,
+        put: list[tuple[Allocation, int]] | None = None,
+        delete: list[str] | None = None,
+        clear: bool = False,
+        effects: list[LedgerEffect] | None = None,
     ) -> None:
         """Record one ledger change, the allocations it served included; when the store
         cannot, roll the ledger back to ``cp`` and refuse with ``store_failed``."""
-        served = [(e.allocation, self.waiters[e.allocation.task_id][0].uid)
-                  for e in effects or [] if isinstance(e, Served)]
+        served = [
+            (e.allocation, self.waiters[e.allocation.task_id][0].uid) for e in effects or [] if isinstance(e, Served)
+        ]
         rows = (put or []) + served
         try:
             self.store.write(put=rows, delete=delete or [], clear=clear)
@@ -285,8 +336,15 @@ class Allocations(Part):
             self.uids[alloc.task_id] = uid
 
     def _made(self, alloc: Allocation) -> None:
-        log.info("allocation_made", task_id=alloc.task_id, gpus=list(alloc.gpus), share=alloc.share / UNIT,
-                 cpus=list(alloc.cpus), tenant=alloc.tenant, owner_pid=alloc.owner_pid)
+        log.info(
+            "allocation_made",
+            task_id=alloc.task_id,
+            gpus=list(alloc.gpus),
+            share=alloc.share / UNIT,
+            cpus=list(alloc.cpus),
+            tenant=alloc.tenant,
+            owner_pid=alloc.owner_pid,
+        )
 
     def _answer_error(self, task_id: str, code: p.ErrorCode, message: str) -> None:
         waiter = self.waiters.pop(task_id, None)
@@ -316,8 +374,15 @@ class Allocations(Part):
         check_tenant(tenant, self._members(tenant), conn.uid, conn.gid, admin=self.access.is_admin(conn))
 
     def _check_may_free(self, conn: ClientLink, alloc: Allocation) -> None:
-        check_may_free(alloc.task_id, self.uids.get(alloc.task_id), alloc.tenant, self._members(alloc.tenant),
-                       conn.uid, conn.gid, admin=self.access.is_admin(conn))
+        check_may_free(
+            alloc.task_id,
+            self.uids.get(alloc.task_id),
+            alloc.tenant,
+            self._members(alloc.tenant),
+            conn.uid,
+            conn.gid,
+            admin=self.access.is_admin(conn),
+        )
 
 
 def _quotas(config: Config) -> dict[str, TenantQuota]:
@@ -342,7 +407,7 @@ def ancestry(pid: int, depth: int = 64) -> list[int]:
         try:
             with open(f"/proc/{chain[-1]}/stat", "rb") as f:
                 stat = f.read()
-            parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             break
         if parent <= 1 or parent in chain:

@@ -86,8 +86,12 @@ class Leases(Part):
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            p.Acquire: self.acquire, p.Release: self.release, p.ListLeases: self.list_leases,
-            p.SetPolicy: self.set_policy, p.ListPolicies: self.list_policies, p.ReportOom: self.report_oom,
+            p.Acquire: self.acquire,
+            p.Release: self.release,
+            p.ListLeases: self.list_leases,
+            p.SetPolicy: self.set_policy,
+            p.ListPolicies: self.list_policies,
+            p.ReportOom: self.report_oom,
         }
 
     def _prime(self) -> None:
@@ -116,15 +120,28 @@ class Leases(Part):
         slot = self.refs.slot(msg.gpu)
         self.links.check_room(conn)
         self.access.check_priority(conn, msg.priority, "lease")
-        key = (msg.task_type, msg.priority, msg.busy_policy, msg.max_wait_ms, msg.queue_limit, msg.hold_max_ms,
-               msg.mem_estimate)
+        key = (
+            msg.task_type,
+            msg.priority,
+            msg.busy_policy,
+            msg.max_wait_ms,
+            msg.queue_limit,
+            msg.hold_max_ms,
+            msg.mem_estimate,
+        )
         terms = self._terms.get(key)
         if terms is None:  # services repeat the same request shape: resolve it once
             cfg = self.config
             terms = resolve_terms(
-                msg.task_type, self.policies, priority=msg.priority, busy_policy=msg.busy_policy,
-                max_wait_ms=msg.max_wait_ms, queue_limit=msg.queue_limit, hold_max_ms=msg.hold_max_ms,
-                mem_estimate=msg.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
+                msg.task_type,
+                self.policies,
+                priority=msg.priority,
+                busy_policy=msg.busy_policy,
+                max_wait_ms=msg.max_wait_ms,
+                queue_limit=msg.queue_limit,
+                hold_max_ms=msg.hold_max_ms,
+                mem_estimate=msg.mem_estimate,
+                default_queue_limit=cfg.lease_queue_limit,
                 default_hold_max_ms=cfg.lease_hold_max_ms,
             )
             if len(self._terms) < 4096:
@@ -134,14 +151,28 @@ class Leases(Part):
         if priority != terms.priority:
             terms = replace(terms, priority=priority)
         sid = next(self.ids)
-        rec = LeaseRecord(sid, f"{self._prefix}-{sid}", conn, slot.gpu.index, terms, msg.trace, msg.id, now,
-                          self.label(terms.task_type))
+        rec = LeaseRecord(
+            sid,
+            f"{self._prefix}-{sid}",
+            conn,
+            slot.gpu.index,
+            terms,
+            msg.trace,
+            msg.id,
+            now,
+            self.label(terms.task_type),
+        )
         self.by_sid[sid] = rec
         self.by_id[rec.lease_id] = rec
         self.links.own(conn, sid, slot.gpu.index)
         effects = slot.scheduler.acquire_lease(
-            sid, now, priority=terms.priority, max_wait_us=terms.max_wait_ms * 1000,
-            hold_max_us=terms.hold_max_ms * 1000, queue_limit=terms.queue_limit, mem_estimate=terms.mem_estimate,
+            sid,
+            now,
+            priority=terms.priority,
+            max_wait_us=terms.max_wait_ms * 1000,
+            hold_max_us=terms.hold_max_ms * 1000,
+            queue_limit=terms.queue_limit,
+            mem_estimate=terms.mem_estimate,
         )
         self.effects.carry_out(effects, now, slot)
         if sid in self.by_sid and rec.granted_at is None:  # neither granted nor denied: it waits
@@ -152,8 +183,10 @@ class Leases(Part):
         rec = self.by_id.get(msg.lease_id)
         if rec is not None:  # else released already, or never ours to know: idempotent
             if rec.conn is not conn:
-                raise Refused(p.ErrorCode.PERMISSION_DENIED,
-                              f"lease {msg.lease_id} belongs to client {rec.conn.client_id}, not to you")
+                raise Refused(
+                    p.ErrorCode.PERMISSION_DENIED,
+                    f"lease {msg.lease_id} belongs to client {rec.conn.client_id}, not to you",
+                )
             slot = self.slots[rec.gpu]
             self._finish(rec, now, "released")
             self.effects.carry_out(slot.scheduler.release_lease(rec.sid, now), now, slot)
@@ -210,8 +243,14 @@ class Leases(Part):
         rec.overdue = True
         self._m(rec).watchdog.inc()
         log.warning(
-            "lease_overdue", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
-            held_ms=e.held_us / 1000, hold_max_ms=rec.terms.hold_max_ms, forced_release=e.forced, pid=rec.conn.pid,
+            "lease_overdue",
+            lease_id=rec.lease_id,
+            gpu=rec.gpu,
+            task_type=rec.terms.task_type,
+            held_ms=e.held_us / 1000,
+            hold_max_ms=rec.terms.hold_max_ms,
+            forced_release=e.forced,
+            pid=rec.conn.pid,
             **_trace(rec.trace),
         )
 
@@ -228,13 +267,20 @@ class Leases(Part):
             holding = rec.granted_at is not None
             out.append(
                 p.LeaseInfo(
-                    lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
-                    state="holding" if holding else "waiting", priority=rec.terms.priority,
-                    busy_policy=rec.terms.busy_policy, client_id=rec.conn.client_id, name=rec.conn.name,
+                    lease_id=rec.lease_id,
+                    gpu=rec.gpu,
+                    task_type=rec.terms.task_type,
+                    state="holding" if holding else "waiting",
+                    priority=rec.terms.priority,
+                    busy_policy=rec.terms.busy_policy,
+                    client_id=rec.conn.client_id,
+                    name=rec.conn.name,
                     pid=rec.conn.pid,
                     waited_ms=((rec.granted_at if holding else now) - rec.requested_at) / 1000,  # type: ignore[operator]
                     held_ms=(now - rec.granted_at) / 1000 if rec.granted_at is not None else 0.0,
-                    hold_max_ms=rec.terms.hold_max_ms, overdue=rec.overdue, trace=rec.trace,
+                    hold_max_ms=rec.terms.hold_max_ms,
+                    overdue=rec.overdue,
+                    trace=rec.trace,
                 )
             )
         return out
@@ -243,10 +289,19 @@ class Leases(Part):
         cfg = self.config
         out = {}
         for name in sorted(self.policies):
-            t = resolve_terms(name, self.policies, default_queue_limit=cfg.lease_queue_limit,
-                              default_hold_max_ms=cfg.lease_hold_max_ms)
-            out[name] = p.PolicyInfo(priority=t.priority, busy_policy=t.busy_policy, max_wait_ms=t.max_wait_ms,
-                                     queue_limit=t.queue_limit, hold_max_ms=t.hold_max_ms)
+            t = resolve_terms(
+                name,
+                self.policies,
+                default_queue_limit=cfg.lease_queue_limit,
+                default_hold_max_ms=cfg.lease_hold_max_ms,
+            )
+            out[name] = p.PolicyInfo(
+                priority=t.priority,
+                busy_policy=t.busy_policy,
+                max_wait_ms=t.max_wait_ms,
+                queue_limit=t.queue_limit,
+                hold_max_ms=t.hold_max_ms,
+            )
         return out
 
     def reconfigure(self, config: Config) -> None:
@@ -272,13 +327,20 @@ class Leases(Part):
             max_wait_ms=base.max_wait_ms if msg.max_wait_ms is None else msg.max_wait_ms,
             queue_limit=base.queue_limit if msg.queue_limit is None else msg.queue_limit,
             hold_max_ms=base.hold_max_ms if msg.hold_max_ms is None else msg.hold_max_ms,
-            uids=base.uids, gids=base.gids,  # who may use it is the config file's word
+            uids=base.uids,
+            gids=base.gids,  # who may use it is the config file's word
         )
         self.policies[msg.task_type] = new
         self._terms.clear()
         self._prime()
-        log.info("policy_set", task_type=msg.task_type, priority=new.priority, busy_policy=str(new.busy_policy),
-                 max_wait_ms=new.max_wait_ms, by_pid=conn.pid)
+        log.info(
+            "policy_set",
+            task_type=msg.task_type,
+            priority=new.priority,
+            busy_policy=str(new.busy_policy),
+            max_wait_ms=new.max_wait_ms,
+            by_pid=conn.pid,
+        )
         return p.Ok(id=msg.id)
 
     # --- bookkeeping ----------------------------------------------------------
@@ -295,9 +357,14 @@ class Leases(Part):
         self.links.send(
             rec.conn,
             p.LeaseResult(
-                id=rec.request_id, status=status, gpu=rec.gpu, task_type=rec.terms.task_type,
-                lease_id=rec.lease_id if acquired else None, acquired_at=time.time() if acquired else None,
-                queue_wait_ms=round(wait_ms, 3), reason=reason,
+                id=rec.request_id,
+                status=status,
+                gpu=rec.gpu,
+                task_type=rec.terms.task_type,
+                lease_id=rec.lease_id if acquired else None,
+                acquired_at=time.time() if acquired else None,
+                queue_wait_ms=round(wait_ms, 3),
+                reason=reason,
             ),
         )
 
@@ -306,8 +373,15 @@ class Leases(Part):
         self._leave_queue(rec)
         self._forget(rec)
         if rec.granted_at is None:
-            log.info("lease_abandoned", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type,
-                     wait_ms=(now - rec.requested_at) / 1000, ended_by=how, **_trace(rec.trace))
+            log.info(
+                "lease_abandoned",
+                lease_id=rec.lease_id,
+                gpu=rec.gpu,
+                task_type=rec.terms.task_type,
+                wait_ms=(now - rec.requested_at) / 1000,
+                ended_by=how,
+                **_trace(rec.trace),
+            )
             return
         hold_ms = (now - rec.granted_at) / 1000
         self._m(rec).hold.observe(hold_ms / 1000)
@@ -323,12 +397,26 @@ class Leases(Part):
             rec.waiting = False
             self._m(rec).queue_length.dec()
 
-    def _log(self, rec: LeaseRecord, status: p.LeaseStatus, reason: p.LeaseReason | None, wait_ms: float,
-             hold_ms: float | None, ended_by: str) -> None:
+    def _log(
+        self,
+        rec: LeaseRecord,
+        status: p.LeaseStatus,
+        reason: p.LeaseReason | None,
+        wait_ms: float,
+        hold_ms: float | None,
+        ended_by: str,
+    ) -> None:
         log.info(
-            "lease", lease_id=rec.lease_id, gpu=rec.gpu, task_type=rec.terms.task_type, status=str(status),
-            reason=None if reason is None else str(reason), wait_ms=round(wait_ms, 3),
-            hold_ms=None if hold_ms is None else round(hold_ms, 3), ended_by=ended_by, **_trace(rec.trace),
+            "lease",
+            lease_id=rec.lease_id,
+            gpu=rec.gpu,
+            task_type=rec.terms.task_type,
+            status=str(status),
+            reason=None if reason is None else str(reason),
+            wait_ms=round(wait_ms, 3),
+            hold_ms=None if hold_ms is None else round(hold_ms, 3),
+            ended_by=ended_by,
+            **_trace(rec.trace),
         )
 
 

@@ -44,7 +44,11 @@ class _GpuCells:
 
 class Locks(Part):
     def __init__(
-        self, pieces: Pieces, ids: Iterator[int], allocation_of: AllocationOf, is_lease: Callable[[int], bool],
+        self,
+        pieces: Pieces,
+        ids: Iterator[int],
+        allocation_of: AllocationOf,
+        is_lease: Callable[[int], bool],
     ) -> None:
         super().__init__(pieces)
         self.ids = ids
@@ -59,8 +63,12 @@ class Locks(Part):
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            p.LockRequest: self.lock_request, p.LockReleased: self.lock_released, p.MemUpdate: self.mem_update,
-            p.Attach: self.attach, p.Detach: self.detach, p.SetLimits: self.set_limits,
+            p.LockRequest: self.lock_request,
+            p.LockReleased: self.lock_released,
+            p.MemUpdate: self.mem_update,
+            p.Attach: self.attach,
+            p.Detach: self.detach,
+            p.SetLimits: self.set_limits,
         }
 
     # --- the lock -------------------------------------------------------------
@@ -97,19 +105,36 @@ class Locks(Part):
         core_ceiling, mem_ceiling = fraction_ceilings(alloc, slot.gpu.index, slot.gpu.memory_total_bytes)
         sid = next(self.ids)
         effects = slot.scheduler.attach(
-            sid, now, priority=msg.priority, core_limit=msg.core_limit, mem_estimate=msg.mem_estimate,
-            mem_limit=msg.mem_limit, core_ceiling=core_ceiling, mem_ceiling=mem_ceiling,
+            sid,
+            now,
+            priority=msg.priority,
+            core_limit=msg.core_limit,
+            mem_estimate=msg.mem_estimate,
+            mem_limit=msg.mem_limit,
+            core_ceiling=core_ceiling,
+            mem_ceiling=mem_ceiling,
         )
         self.links.own(conn, sid, slot.gpu.index)
         self.effects.carry_out(effects, now, slot)
         v = slot.scheduler.session(sid, now)
         log.info(
-            "session_attached", client=conn.client_id, session=sid, gpu=slot.gpu.index, core_limit=v.core_limit,
-            mem_limit_bytes=v.mem_limit, priority=msg.priority, task_id=alloc.task_id if alloc else None,
+            "session_attached",
+            client=conn.client_id,
+            session=sid,
+            gpu=slot.gpu.index,
+            core_limit=v.core_limit,
+            mem_limit_bytes=v.mem_limit,
+            priority=msg.priority,
+            task_id=alloc.task_id if alloc else None,
         )
         return p.Attached(
-            id=msg.id, session=sid, gpu=slot.gpu.index, scheduler_on=slot.scheduler.enabled,
-            core_limit=v.core_limit, mem_limit=v.mem_limit, memory_total_bytes=slot.gpu.memory_total_bytes,
+            id=msg.id,
+            session=sid,
+            gpu=slot.gpu.index,
+            scheduler_on=slot.scheduler.enabled,
+            core_limit=v.core_limit,
+            mem_limit=v.mem_limit,
+            memory_total_bytes=slot.gpu.memory_total_bytes,
         )
 
     def detach(self, conn: ClientLink, msg: p.Detach, now: int) -> p.Ok:
@@ -148,7 +173,8 @@ class Locks(Part):
             )
         gpu = None if msg.gpu is None else self.refs.index(msg.gpu)
         chosen = [
-            (sid, g) for sid, g in target.sessions.items()
+            (sid, g)
+            for sid, g in target.sessions.items()
             if (gpu is None or g == gpu) and (msg.session is None or sid == msg.session) and not self.is_lease(sid)
         ]
         if not chosen:
@@ -168,8 +194,12 @@ class Locks(Part):
             v = slot.scheduler.session(sid, now)
             self.links.send(target, p.LimitsChanged(session=sid, core_limit=v.core_limit, mem_limit=v.mem_limit))
         log.info(
-            "limits_set", client=target.client_id, sessions=[sid for sid, _ in chosen],
-            core_limit=msg.core_limit, mem_limit_bytes=msg.mem_limit, by_pid=conn.pid,
+            "limits_set",
+            client=target.client_id,
+            sessions=[sid for sid, _ in chosen],
+            core_limit=msg.core_limit,
+            mem_limit_bytes=msg.mem_limit,
+            by_pid=conn.pid,
         )
         return p.LimitsSet(id=msg.id, sessions=[sid for sid, _ in chosen])
 
@@ -217,7 +247,14 @@ class Locks(Part):
         owner = self.links.owners.get(e.session)
         if owner is None:
             return
-        log.warning("memory_limit_exceeded", gpu=owner.sessions[e.session], session=e.session, pid=owner.pid,
-                    used_bytes=e.used_bytes, limit_bytes=e.limit_bytes)
-        self.links.send(owner, p.MemLimitExceeded(session=e.session, used_bytes=e.used_bytes,
-                                                  limit_bytes=e.limit_bytes))
+        log.warning(
+            "memory_limit_exceeded",
+            gpu=owner.sessions[e.session],
+            session=e.session,
+            pid=owner.pid,
+            used_bytes=e.used_bytes,
+            limit_bytes=e.limit_bytes,
+        )
+        self.links.send(
+            owner, p.MemLimitExceeded(session=e.session, used_bytes=e.used_bytes, limit_bytes=e.limit_bytes)
+        )

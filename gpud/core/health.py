@@ -153,8 +153,9 @@ class GpuHealth:
 
     def view(self, gpu: int) -> HealthView:
         g = self._gpu(gpu)
-        return HealthView(gpu, g.healthy, g.reason, g.started if g.out else None, g.last_result_at, g.probes,
-                          g.failures)
+        return HealthView(
+            gpu, g.healthy, g.reason, g.started if g.out else None, g.last_result_at, g.probes, g.failures
+        )
 
     def healthy(self, gpu: int) -> bool:
         return self._gpu(gpu).healthy

@@ -121,8 +121,13 @@ _TERM_TEXT: dict[str, Callable[[Any], str]] = {
 
 def _terms(x: Request | Allocation) -> dict[str, Any]:
     if isinstance(x, Allocation):
-        return {"gpus": x.total, "cpus": len(x.cpus), "tenant": x.tenant, "priority": x.priority,
-                "owner_pid": x.owner_pid}
+        return {
+            "gpus": x.total,
+            "cpus": len(x.cpus),
+            "tenant": x.tenant,
+            "priority": x.priority,
+            "owner_pid": x.owner_pid,
+        }
     return {"gpus": x.gpus, "cpus": x.cpus, "tenant": x.tenant, "priority": x.priority, "owner_pid": x.owner_pid}
 
 
@@ -236,8 +241,11 @@ class Ledger:
             return held
         if (waiter := self._waiting.get(req.task_id)) is not None:
             _check_same_terms(req, _terms(waiter.request), "waits for")
-            raise Refused(ErrorCode.INVALID, f"task {req.task_id!r} already waits for this allocation: one request "
-                          "per task id waits at a time, and the first is answered when it fits")
+            raise Refused(
+                ErrorCode.INVALID,
+                f"task {req.task_id!r} already waits for this allocation: one request "
+                "per task id waits at a time, and the first is answered when it fits",
+            )
         self._validate(req)
         try:
             return self._place(req, now)
@@ -271,9 +279,13 @@ class Ledger:
         """A copy of the whole state, to ``rollback`` to if a change cannot be stored."""
         return Checkpoint(
             gpus={i: (g.free, dict(g.tasks)) for i, g in self._gpus.items()},
-            free_cpus=frozenset(self._free_cpus), allocs=dict(self._allocs), waiters=list(self._waiters),
+            free_cpus=frozenset(self._free_cpus),
+            allocs=dict(self._allocs),
+            waiters=list(self._waiters),
             waiting={t: (w.request, w.deadline, w.last_reason) for t, w in self._waiting.items()},
-            seq=self._seq, rr_last=self._rr_last, rng=self._rng.getstate(),
+            seq=self._seq,
+            rr_last=self._rr_last,
+            rng=self._rng.getstate(),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -296,7 +308,9 @@ class Ledger:
         if len(alloc.gpus) > 1 and alloc.share != UNIT:
             raise ValueError(f"stored allocation of {alloc.task_id!r} splits a fraction over several GPUs")
         if len(set(alloc.cpus)) != len(alloc.cpus) or not 0 <= alloc.priority <= 100:
-            raise ValueError(f"stored allocation of {alloc.task_id!r} has repeated CPU cores or priority {alloc.priority}")
+            raise ValueError(
+                f"stored allocation of {alloc.task_id!r} has repeated CPU cores or priority {alloc.priority}"
+            )
         for g in alloc.gpus:
             if g not in self._gpus or self._gpus[g].free < alloc.share:
                 raise ValueError(f"stored allocation of {alloc.task_id!r} does not fit GPU {g} any more")
@@ -371,8 +385,10 @@ class Ledger:
             raise Refused(ErrorCode.INVALID, f"{req.cpus} CPU cores asked, this node has {len(self._cpus)}")
         for g in req.prefer:
             if g not in self._gpus:
-                raise Refused(ErrorCode.UNKNOWN_GPU, f"unknown GPU {g} in prefer (this node has GPUs "
-                              + ", ".join(map(str, self._gpus)) + ")")
+                raise Refused(
+                    ErrorCode.UNKNOWN_GPU,
+                    f"unknown GPU {g} in prefer (this node has GPUs " + ", ".join(map(str, self._gpus)) + ")",
+                )
         if req.tenant is not None and req.tenant not in self._tenants:
             known = ", ".join(sorted(self._tenants)) or "none configured"
             raise Refused(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r} (tenants: {known})")
@@ -382,8 +398,9 @@ class Ledger:
         gpus = self._choose_gpus(req) if req.gpus > 0 else []
         cpus = self._choose_cpus(req.cpus, gpus)
         share = UNIT if req.gpus >= UNIT else req.gpus
-        alloc = Allocation(req.task_id, tuple(gpus), share if gpus else 0, tuple(cpus), req.tenant, req.priority,
-                           req.owner_pid, now)
+        alloc = Allocation(
+            req.task_id, tuple(gpus), share if gpus else 0, tuple(cpus), req.tenant, req.priority, req.owner_pid, now
+        )
         if req.strategy == Strategy.ROUND_ROBIN and gpus:
             self._rr_last = gpus[-1]
         self._commit(alloc)
@@ -421,7 +438,7 @@ class Ledger:
             case Strategy.LEAST_LOADED:
                 ordered = sorted(candidates, key=lambda g: (-g.free, g.spec.index))
             case Strategy.ROUND_ROBIN:
-                ordered = sorted(candidates, key=lambda g: ((g.spec.index - self._rr_last - 1) % (1 << 30)))
+                ordered = sorted(candidates, key=lambda g: (g.spec.index - self._rr_last - 1) % (1 << 30))
             case Strategy.RANDOM:
                 ordered = sorted(candidates, key=lambda g: g.spec.index)
                 self._rng.shuffle(ordered)
@@ -440,7 +457,9 @@ class Ledger:
         fits = [g for g in self._gpus.values() if g.free >= req.gpus]
         if not fits:
             most = max((g.free for g in self._gpus.values()), default=0)
-            raise Insufficient("gpus", f"{req.gpus / UNIT:g} of one GPU asked, the most free on any GPU is {most / UNIT:g}")
+            raise Insufficient(
+                "gpus", f"{req.gpus / UNIT:g} of one GPU asked, the most free on any GPU is {most / UNIT:g}"
+            )
         partly = [g for g in fits if g.free < UNIT]
         whole = [g for g in fits if g.free == UNIT]
         preferred = [g for g in fits if g.spec.index in req.prefer]

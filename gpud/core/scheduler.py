@@ -169,7 +169,11 @@ class GpuScheduler:
     """The scheduler of one GPU. See the module comment for the rules."""
 
     def __init__(
-        self, config: SchedulerConfig = SchedulerConfig(), *, enabled: bool = True, now: int = 0,
+        self,
+        config: SchedulerConfig = SchedulerConfig(),
+        *,
+        enabled: bool = True,
+        now: int = 0,
         grants_from: int | None = None,
     ) -> None:
         self._cfg = config
@@ -211,7 +215,11 @@ class GpuScheduler:
         if mem_ceiling is not None:
             mem_limit = mem_ceiling if mem_limit is None else min(mem_limit, mem_ceiling)
         self._sessions[session] = _Session(
-            session, priority, mem_estimate=mem_estimate, mem_limit=mem_limit, core_ceiling=core_ceiling,
+            session,
+            priority,
+            mem_estimate=mem_estimate,
+            mem_limit=mem_limit,
+            core_ceiling=core_ceiling,
             mem_ceiling=mem_ceiling,
         )
         self._acc.add(session, core_limit, now)
@@ -226,7 +234,9 @@ class GpuScheduler:
         if s.state != "idle":
             raise Refused(ErrorCode.ALREADY_REQUESTED, f"session {session} is already {s.state}")
         if len(self._queue) >= self._cfg.max_queue:
-            raise LimitReached("max_lock_queue", f"{len(self._queue)} requests already wait for this GPU, the most allowed")
+            raise LimitReached(
+                "max_lock_queue", f"{len(self._queue)} requests already wait for this GPU, the most allowed"
+            )
         s.state = "waiting"
         s.requested_at = now
         self._enqueue(s, s.priority)
@@ -447,9 +457,7 @@ class GpuScheduler:
             window_us=self._acc.cfg.window_us,
             memory_capacity_bytes=self._capacity(),
             memory_in_use_bytes=sum(self._need(s) for s in self._running.values()),
-            holders=tuple(
-                HolderView(s.id, s.grant, now - s.granted_at, s.drop_reason) for s in self._running.values()
-            ),
+            holders=tuple(HolderView(s.id, s.grant, now - s.granted_at, s.drop_reason) for s in self._running.values()),
             queue=tuple(
                 WaiterView(sid, -negp, now - self._sessions[sid].requested_at, self._throttled(sid))
                 for negp, _, sid in self._queue
@@ -683,7 +691,8 @@ class GpuScheduler:
         """Drop lower-priority holders, lowest first, if that lets ``waiter`` in."""
         staying = [s for s in self._running.values() if s.drop_reason is None]
         victims = sorted(
-            (s for s in staying if s.priority < waiter.priority and not s.lease), key=lambda s: (s.priority, -s.granted_at)
+            (s for s in staying if s.priority < waiter.priority and not s.lease),
+            key=lambda s: (s.priority, -s.granted_at),
         )
         if not victims or self._fits_beside(waiter, staying):
             return  # nobody may be dropped for it, or enough is already on its way out

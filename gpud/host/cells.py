@@ -113,8 +113,15 @@ class GaugeCells(_Family[GaugeCell]):
 
 
 class HistogramCells(_Family[HistogramCell]):
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry, *,
-                 buckets: Sequence[float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        *,
+        buckets: Sequence[float],
+    ) -> None:
         bounds = tuple(float(b) for b in buckets if b != float("inf"))
         if list(bounds) != sorted(set(bounds)):
             raise ValueError(f"{name}: buckets must increase")

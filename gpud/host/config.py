@@ -116,8 +116,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         """The built-in task-type policies with the configured ones on top."""
         merged = dict(DEFAULT_POLICIES)
         for name, pc in self.policies.items():
-            merged[name] = LeasePolicy(pc.priority, pc.busy_policy, pc.max_wait_ms, pc.queue_limit, pc.hold_max_ms,
-                                       frozenset(pc.uids), frozenset(pc.gids))
+            merged[name] = LeasePolicy(
+                pc.priority,
+                pc.busy_policy,
+                pc.max_wait_ms,
+                pc.queue_limit,
+                pc.hold_max_ms,
+                frozenset(pc.uids),
+                frozenset(pc.gids),
+            )
         return merged
 
 
@@ -182,9 +189,7 @@ def build(file_values: dict[str, Any], env_values: dict[str, Any], flag_values: 
     return config
 
 
-def load(
-    path: str | None, flag_values: dict[str, Any], environ: Mapping[str, str] | None = None
-) -> Config:
+def load(path: str | None, flag_values: dict[str, Any], environ: Mapping[str, str] | None = None) -> Config:
     return build(read_file(path), read_environment(os.environ if environ is None else environ), flag_values)
 
 

@@ -38,16 +38,20 @@ def acquire(state_dir: str) -> StateLock:
         path = os.path.join(state_dir, LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
     except OSError as exc:
-        raise RuntimeError(f"cannot use the state directory {state_dir}: {exc.strerror or exc} "
-                           f"(it must be writable by uid {os.getuid()}; or set state_dir)") from None
+        raise RuntimeError(
+            f"cannot use the state directory {state_dir}: {exc.strerror or exc} "
+            f"(it must be writable by uid {os.getuid()}; or set state_dir)"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _read_pid(fd)
         os.close(fd)
         who = f"gpud pid {holder}" if holder else "another gpud"
-        raise RuntimeError(f"{who} is already running with the state directory {state_dir}; stop it first, "
-                           f"or give this one another state_dir (and socket)") from None
+        raise RuntimeError(
+            f"{who} is already running with the state directory {state_dir}; stop it first, "
+            f"or give this one another state_dir (and socket)"
+        ) from None
     crashed = _read_pid(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

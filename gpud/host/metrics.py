@@ -22,10 +22,25 @@ from gpud.host.cells import CounterCells, GaugeCells, HistogramCells
 from gpud_client import protocol as p
 
 # Label values of the daemon's own counters, created up front.
-FAULT_PLACES = ("request", "connection", "close", "effect", "timer", "reaper", "allocator", "monitor", "watchdog",
-                "reload")
-CAPS = ("max_connections", "max_connections_per_uid", "max_sessions_per_connection", "max_lock_queue",
-        "max_allocation_waiters")
+FAULT_PLACES = (
+    "request",
+    "connection",
+    "close",
+    "effect",
+    "timer",
+    "reaper",
+    "allocator",
+    "monitor",
+    "watchdog",
+    "reload",
+)
+CAPS = (
+    "max_connections",
+    "max_connections_per_uid",
+    "max_sessions_per_connection",
+    "max_lock_queue",
+    "max_allocation_waiters",
+)
 DROPPED = ("too_slow", "peer_gone", "no_hello")
 
 # Lease waits and holds of inference calls: from sub-millisecond to a minute.
@@ -41,11 +56,15 @@ class Metrics:
             "gpud_arbiter_acquire_total", "Lease acquires by their answer.", [*gt, "status"], registry
         )
         self.queue_wait = HistogramCells(
-            "gpud_arbiter_queue_wait_seconds", "Time an ACQUIRE waited in the queue for its answer (0: at once).", gt,
-            registry, buckets=_LATENCY_BUCKETS,
+            "gpud_arbiter_queue_wait_seconds",
+            "Time an ACQUIRE waited in the queue for its answer (0: at once).",
+            gt,
+            registry,
+            buckets=_LATENCY_BUCKETS,
         )
-        self.hold = HistogramCells("gpud_arbiter_hold_seconds", "Time a lease was held.", gt, registry,
-                                   buckets=_LATENCY_BUCKETS)
+        self.hold = HistogramCells(
+            "gpud_arbiter_hold_seconds", "Time a lease was held.", gt, registry, buckets=_LATENCY_BUCKETS
+        )
         self.queue_length = GaugeCells("gpud_arbiter_queue_length", "Leases waiting for the GPU now.", gt, registry)
         self.timeouts = CounterCells("gpud_arbiter_timeouts_total", "Leases still waiting at max_wait.", gt, registry)
         self.queue_full = CounterCells(
@@ -54,7 +73,9 @@ class Metrics:
         self.watchdog = CounterCells("gpud_arbiter_watchdog_exceeded_total", "Leases held past hold_max.", gt, registry)
         self.oom = Counter("gpud_gpu_oom_total", "Out-of-memory errors clients reported.", gt, registry=registry)
         self.lock_grants = CounterCells("gpud_lock_grants_total", "GPU lock grants to sessions.", ["gpu"], registry)
-        self.lock_drops = CounterCells("gpud_lock_drops_total", "DROP_LOCK sent, by reason.", ["gpu", "reason"], registry)
+        self.lock_drops = CounterCells(
+            "gpud_lock_drops_total", "DROP_LOCK sent, by reason.", ["gpu", "reason"], registry
+        )
         self.lock_revocations = CounterCells(
             "gpud_lock_revocations_total", "Locks taken away without LOCK_RELEASED.", ["gpu", "reason"], registry
         )
@@ -94,57 +115,84 @@ class NodeMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         g = ["gpu"]
-        self.gpu_info = Gauge("gpud_gpu_info", "GPUs this daemon schedules (value 1).", ["gpu", "UUID", "name"],
-                              registry=registry)
+        self.gpu_info = Gauge(
+            "gpud_gpu_info", "GPUs this daemon schedules (value 1).", ["gpu", "UUID", "name"], registry=registry
+        )
         self.gpu_healthy = Gauge("gpud_gpu_healthy", "1 while NVML answers for the GPU.", g, registry=registry)
         self.memory_total = Gauge("gpud_gpu_memory_total_bytes", "GPU memory.", g, registry=registry)
-        self.memory_used = Gauge("gpud_gpu_memory_used_bytes", "GPU memory in use (NVML; simulated: reported).", g,
-                                 registry=registry)
-        self.utilization = Gauge("gpud_gpu_utilization_ratio", "GPU utilisation (NVML; simulated: held or not).", g,
-                                 registry=registry)
+        self.memory_used = Gauge(
+            "gpud_gpu_memory_used_bytes", "GPU memory in use (NVML; simulated: reported).", g, registry=registry
+        )
+        self.utilization = Gauge(
+            "gpud_gpu_utilization_ratio", "GPU utilisation (NVML; simulated: held or not).", g, registry=registry
+        )
         self.holders = Gauge("gpud_gpu_holders", "Sessions and leases holding the GPU.", g, registry=registry)
         self.queue = Gauge("gpud_gpu_queue_length", "Sessions and leases waiting for the GPU.", g, registry=registry)
-        self.lock_wait = HistogramCells("gpud_lock_wait_seconds", "LOCK_REQUEST to LOCK_OK.", g, registry,
-                                        buckets=_LATENCY_BUCKETS)
-        self.lock_hold = HistogramCells("gpud_lock_hold_seconds", "LOCK_OK to LOCK_RELEASED.", g, registry,
-                                        buckets=_LATENCY_BUCKETS)
-        self.drop_to_release = HistogramCells("gpud_lock_drop_to_release_seconds", "DROP_LOCK to LOCK_RELEASED.", g,
-                                              registry, buckets=_LATENCY_BUCKETS)
+        self.lock_wait = HistogramCells(
+            "gpud_lock_wait_seconds", "LOCK_REQUEST to LOCK_OK.", g, registry, buckets=_LATENCY_BUCKETS
+        )
+        self.lock_hold = HistogramCells(
+            "gpud_lock_hold_seconds", "LOCK_OK to LOCK_RELEASED.", g, registry, buckets=_LATENCY_BUCKETS
+        )
+        self.drop_to_release = HistogramCells(
+            "gpud_lock_drop_to_release_seconds", "DROP_LOCK to LOCK_RELEASED.", g, registry, buckets=_LATENCY_BUCKETS
+        )
         s = ["gpu", "session", "client", "pid"]
-        self.session_core_limit = Gauge("gpud_session_core_limit_ratio", "Compute limit (1 = unlimited).", s,
-                                        registry=registry)
-        self.session_window_used = Gauge("gpud_session_window_used_seconds", "GPU time billed this window.", s,
-                                         registry=registry)
-        self.session_throttled = Gauge("gpud_session_throttled", "1 while throttled until the next window.", s,
-                                       registry=registry)
+        self.session_core_limit = Gauge(
+            "gpud_session_core_limit_ratio", "Compute limit (1 = unlimited).", s, registry=registry
+        )
+        self.session_window_used = Gauge(
+            "gpud_session_window_used_seconds", "GPU time billed this window.", s, registry=registry
+        )
+        self.session_throttled = Gauge(
+            "gpud_session_throttled", "1 while throttled until the next window.", s, registry=registry
+        )
         self.session_memory = Gauge("gpud_session_memory_bytes", "Reported GPU memory use.", s, registry=registry)
-        self.session_memory_limit = Gauge("gpud_session_memory_limit_bytes", "Memory limit (absent: none).", s,
-                                          registry=registry)
-        self.allocated = Gauge("gpud_gpu_allocated_ratio", "Share of the GPU held by allocations.", g,
-                               registry=registry)
+        self.session_memory_limit = Gauge(
+            "gpud_session_memory_limit_bytes", "Memory limit (absent: none).", s, registry=registry
+        )
+        self.allocated = Gauge(
+            "gpud_gpu_allocated_ratio", "Share of the GPU held by allocations.", g, registry=registry
+        )
         self.allocations = Gauge("gpud_allocations", "Allocations held.", registry=registry)
-        self.allocation_requests = Counter("gpud_allocation_requests_total", "Allocation requests by result.",
-                                           ["result"], registry=registry)
+        self.allocation_requests = Counter(
+            "gpud_allocation_requests_total", "Allocation requests by result.", ["result"], registry=registry
+        )
         self.clients = Gauge("gpud_clients", "Connected clients.", registry=registry)
         self.messages = CounterCells("gpud_messages_total", "Messages received, by type.", ["type"], registry)
-        self.protocol_errors = Counter("gpud_protocol_errors_total", "Errors answered, by code.", ["code"],
-                                       registry=registry)
-        self.faults = Counter("gpud_faults_total", "Unexpected errors contained (one connection, record or tick).",
-                              ["where"], registry=registry)
-        self.connections_refused = Counter("gpud_connections_refused_total", "Connections refused at accept, by cap.",
-                                           ["reason"], registry=registry)
-        self.connections_dropped = Counter("gpud_connections_dropped_total", "Connections closed by the daemon.",
-                                           ["reason"], registry=registry)
-        self.limit_refusals = Counter("gpud_limit_refusals_total", "Requests refused by a cap, by the cap's name.",
-                                      ["cap"], registry=registry)
-        self.session_gauges = (self.session_core_limit, self.session_window_used, self.session_throttled,
-                               self.session_memory, self.session_memory_limit)
+        self.protocol_errors = Counter(
+            "gpud_protocol_errors_total", "Errors answered, by code.", ["code"], registry=registry
+        )
+        self.faults = Counter(
+            "gpud_faults_total",
+            "Unexpected errors contained (one connection, record or tick).",
+            ["where"],
+            registry=registry,
+        )
+        self.connections_refused = Counter(
+            "gpud_connections_refused_total", "Connections refused at accept, by cap.", ["reason"], registry=registry
+        )
+        self.connections_dropped = Counter(
+            "gpud_connections_dropped_total", "Connections closed by the daemon.", ["reason"], registry=registry
+        )
+        self.limit_refusals = Counter(
+            "gpud_limit_refusals_total", "Requests refused by a cap, by the cap's name.", ["cap"], registry=registry
+        )
+        self.session_gauges = (
+            self.session_core_limit,
+            self.session_window_used,
+            self.session_throttled,
+            self.session_memory,
+            self.session_memory_limit,
+        )
         # A session's bound series of the first four, looked up once: labels() costs more than set()
         self.session_children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
-        self.store_records_set_aside = Counter("gpud_store_records_set_aside_total",
-                                               "Stored allocations that could not be restored.", registry=registry)
-        self.store_failures = Counter("gpud_store_failures_total",
-                                      "Changes refused because the store could not record them.", registry=registry)
+        self.store_records_set_aside = Counter(
+            "gpud_store_records_set_aside_total", "Stored allocations that could not be restored.", registry=registry
+        )
+        self.store_failures = Counter(
+            "gpud_store_failures_total", "Changes refused because the store could not record them.", registry=registry
+        )
 
     def forget_session(self, labels: tuple[str, str, str, str]) -> None:
         """A session's series go with it, at once (the monitor refreshes the others)."""

@@ -88,16 +88,21 @@ class Store:
         try:
             os.makedirs(state_dir, mode=0o750, exist_ok=True)
         except OSError as exc:
-            raise StoreError(f"cannot create the state directory {state_dir}: {exc.strerror} "
-                             f"(create it, writable by uid {os.getuid()}, or set state_dir)") from None
+            raise StoreError(
+                f"cannot create the state directory {state_dir}: {exc.strerror} "
+                f"(create it, writable by uid {os.getuid()}, or set state_dir)"
+            ) from None
         if not os.access(state_dir, os.W_OK | os.X_OK):
-            raise StoreError(f"the state directory {state_dir} is not writable by uid {os.getuid()}: gpud keeps its "
-                             f"allocations there (fix its owner or mode, or set state_dir)")
+            raise StoreError(
+                f"the state directory {state_dir} is not writable by uid {os.getuid()}: gpud keeps its "
+                f"allocations there (fix its owner or mode, or set state_dir)"
+            )
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(_Record)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                       timeout=OPEN_BUSY_TIMEOUT_MS / 1000)
+            self._db = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=OPEN_BUSY_TIMEOUT_MS / 1000
+            )
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open {self.path}: {exc}") from None
         try:
@@ -141,8 +146,9 @@ class Store:
             return f"{self.path} cannot be written by uid {os.getuid()} (SQLite: {text}); fix its owner or mode"
         return f"cannot use {self.path} (SQLite: {text})"
 
-    def write(self, put: Iterable[tuple[Allocation, int]] = (), delete: Iterable[str] = (), *,
-              clear: bool = False) -> None:
+    def write(
+        self, put: Iterable[tuple[Allocation, int]] = (), delete: Iterable[str] = (), *, clear: bool = False
+    ) -> None:
         """One change, in one transaction: all of it is stored, or none (``StoreError``)."""
         rows = [(a.task_id, self._enc.encode(self._record(a, uid))) for a, uid in put]
 
@@ -170,8 +176,17 @@ class Store:
 
     @staticmethod
     def _record(alloc: Allocation, uid: int) -> _Record:
-        return _Record(alloc.task_id, list(alloc.gpus), alloc.share, list(alloc.cpus), alloc.tenant,
-                       alloc.priority, alloc.owner_pid, alloc.created_us, uid)
+        return _Record(
+            alloc.task_id,
+            list(alloc.gpus),
+            alloc.share,
+            list(alloc.cpus),
+            alloc.tenant,
+            alloc.priority,
+            alloc.owner_pid,
+            alloc.created_us,
+            uid,
+        )
 
     def load(self) -> Loaded:
         out = Loaded()
@@ -187,8 +202,9 @@ class Store:
             except (msgspec.MsgspecError, ValueError, TypeError) as exc:
                 out.unreadable.append((str(task_id), str(exc)))
                 continue
-            alloc = Allocation(r.task_id, tuple(r.gpus), r.share, tuple(r.cpus), r.tenant, r.priority, r.owner_pid,
-                               r.created_us)
+            alloc = Allocation(
+                r.task_id, tuple(r.gpus), r.share, tuple(r.cpus), r.tenant, r.priority, r.owner_pid, r.created_us
+            )
             out.records.append((alloc, r.uid))
         return out
 
@@ -196,8 +212,10 @@ class Store:
         """Move a record that cannot be used out of the allocations, keeping it for a person."""
 
         def move(db: sqlite3.Connection) -> None:
-            db.execute("INSERT INTO set_aside SELECT task_id, record, ?, ? FROM allocations WHERE task_id = ?",
-                       (reason, time.time(), task_id))
+            db.execute(
+                "INSERT INTO set_aside SELECT task_id, record, ?, ? FROM allocations WHERE task_id = ?",
+                (reason, time.time(), task_id),
+            )
             db.execute("DELETE FROM allocations WHERE task_id = ?", (task_id,))
 
         self._transaction(move)

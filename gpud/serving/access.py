@@ -31,7 +31,8 @@ class Access:
         self.admin_gid = group_id(config.admin_group) if config.admin_group else None
         by_gid = {gid: cap for name, cap in config.priority_max_groups.items() if (gid := group_id(name)) is not None}
         self.priority_rules = PriorityRules(
-            default_max=config.priority_max, by_uid={int(u): cap for u, cap in config.priority_max_uids.items()},
+            default_max=config.priority_max,
+            by_uid={int(u): cap for u, cap in config.priority_max_uids.items()},
             by_gid=by_gid,
         )
         rules = self.priority_rules  # nobody's ceiling is below this: a lease at or under it needs no look-up
@@ -59,14 +60,20 @@ class Access:
         if asked is not None:
             check_priority(asked, self.priority_ceiling(conn), what)
 
-
     def lease_priority(self, conn: ClientLink, task_type: str, policy: LeasePolicy, priority: int) -> int:
         """What a lease of this peer runs at (``authority.lease_priority``); refuses a reserved type."""
         if not policy.reserved and priority <= self.lowest_ceiling:
             return priority
         groups = conn.groups | {conn.gid}
-        return lease_priority(task_type, policy, priority, conn.uid, groups, admin=self.is_admin(conn),
-                              ceiling=self.priority_ceiling(conn))
+        return lease_priority(
+            task_type,
+            policy,
+            priority,
+            conn.uid,
+            groups,
+            admin=self.is_admin(conn),
+            ceiling=self.priority_ceiling(conn),
+        )
 
 
 def group_id(name: str) -> int | None:

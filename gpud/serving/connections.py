@@ -248,8 +248,12 @@ def handle_payload(daemon: Daemon, conn: ClientLink, payload: bytes, codec: p.Co
     except Exception as exc:
         tag = msg.__struct_config__.tag
         daemon.faults.record("request", exc, client=conn.client_id, pid=conn.pid, type=tag)
-        daemon.links.send_error(conn, msg.id, p.ErrorCode.INTERNAL,
-                                f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)")
+        daemon.links.send_error(
+            conn,
+            msg.id,
+            p.ErrorCode.INTERNAL,
+            f"gpud failed to handle {tag}; this connection is closed (the daemon log has the cause)",
+        )
         daemon.check_schedulers()
         return False
     if answer is not None:

@@ -55,8 +55,13 @@ class Effects:
                     raise LookupError(f"no handler for {kind.__name__}")
                 # else: a lease's effect after the lease was forgotten: nobody to tell
             except Exception as exc:  # one effect's fault skips that effect, never the rest
-                self.faults.record("effect", exc, gpu=None if slot is None else slot.gpu.index, effect=kind.__name__,
-                                   session=getattr(e, "session", None))
+                self.faults.record(
+                    "effect",
+                    exc,
+                    gpu=None if slot is None else slot.gpu.index,
+                    effect=kind.__name__,
+                    session=getattr(e, "session", None),
+                )
         if slot is not None:
             deadline = slot.scheduler.next_deadline()
             if deadline is not None and (slot.armed_for is None or deadline < slot.armed_for):

@@ -65,8 +65,13 @@ class Links:
                 return
             data = data[sent:]
         if conn.pending_bytes > self.config.outbox_limit_bytes:
-            log.warning("client_too_slow", client=conn.client_id, pid=conn.pid, unread_bytes=conn.pending_bytes,
-                        limit_bytes=self.config.outbox_limit_bytes)
+            log.warning(
+                "client_too_slow",
+                client=conn.client_id,
+                pid=conn.pid,
+                unread_bytes=conn.pending_bytes,
+                limit_bytes=self.config.outbox_limit_bytes,
+            )
             self.drop(conn, "too_slow")
             return
         conn.pending.append(data)

@@ -39,8 +39,10 @@ def _claim_socket_path(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise RuntimeError(f"{path} exists and is not a socket: gpud will not remove it (remove it yourself, "
-                           f"or set socket to another path)")
+        raise RuntimeError(
+            f"{path} exists and is not a socket: gpud will not remove it (remove it yourself, "
+            f"or set socket to another path)"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(_PROBE_TIMEOUT_S)
     try:
@@ -49,8 +51,10 @@ def _claim_socket_path(path: str) -> None:
         log.info("stale_socket_removed", socket=path)
         os.unlink(path)  # nobody listens: left behind by a daemon that died
     except (TimeoutError, BlockingIOError):  # its backlog is full: alive, but not accepting
-        raise RuntimeError(f"a process listens on {path} but does not accept connections: another gpud? "
-                           f"(stop it first, or set socket to another path)") from None
+        raise RuntimeError(
+            f"a process listens on {path} but does not accept connections: another gpud? "
+            f"(stop it first, or set socket to another path)"
+        ) from None
     except OSError as exc:
         raise RuntimeError(f"cannot probe the socket {path}: {exc.strerror or exc}") from None
     else:
@@ -79,7 +83,9 @@ class OwnSocket:
             log.warning("socket_not_removed", socket=self.path, reason="it is no longer the socket gpud bound")
 
 
-async def open_listener(config: Config, inherited: socket.socket | None = None) -> tuple[trio.SocketListener, OwnSocket | None]:
+async def open_listener(
+    config: Config, inherited: socket.socket | None = None
+) -> tuple[trio.SocketListener, OwnSocket | None]:
     """The socket systemd passed us (it stays systemd's), or our own at ``config.socket``."""
     if inherited is not None:
         return trio.SocketListener(trio.socket.from_stdlib_socket(inherited)), None
@@ -127,5 +133,7 @@ async def serve(
         nursery.start_soon(run_allocations_timer, daemon)
         nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
         nursery.start_soon(accept_loop, daemon, listener, nursery)
-        log.info("ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections)
+        log.info(
+            "ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections
+        )
         task_status.started()

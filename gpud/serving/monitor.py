@@ -119,7 +119,10 @@ class Monitor:
         assert self.sampler is not None
         try:
             reading = await trio.to_thread.run_sync(
-                self.sampler.sample_gpu, gpu, abandon_on_cancel=True, limiter=self._limiter,
+                self.sampler.sample_gpu,
+                gpu,
+                abandon_on_cancel=True,
+                limiter=self._limiter,
                 thread_name=f"gpud nvml gpu {gpu.index}",
             )
         except Exception as exc:  # a sampler that raises: this GPU's call failed
@@ -198,8 +201,9 @@ def publish(daemon: Daemon, *, sessions: int | None = None, step_s: float | None
     for the next pass; a session's figures are read in the step that sets them, and a lifted
     memory limit loses its series. Last, a backstop: series of sessions no longer there are
     removed."""
-    steps = _refresh(daemon, REFRESH_SESSIONS if sessions is None else sessions,
-                     REFRESH_STEP_S if step_s is None else step_s)
+    steps = _refresh(
+        daemon, REFRESH_SESSIONS if sessions is None else sessions, REFRESH_STEP_S if step_s is None else step_s
+    )
     next(steps, None)
     return steps
 
@@ -240,8 +244,10 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
             series = children.get(labels)
             if series is None:
                 series = children[labels] = (
-                    m.session_core_limit.labels(*labels), m.session_window_used.labels(*labels),
-                    m.session_throttled.labels(*labels), m.session_memory.labels(*labels),
+                    m.session_core_limit.labels(*labels),
+                    m.session_window_used.labels(*labels),
+                    m.session_throttled.labels(*labels),
+                    m.session_memory.labels(*labels),
                 )
             series[0].set(v.core_limit / 100)
             series[1].set(v.used_us / 1e6)
@@ -270,8 +276,13 @@ def _live(daemon: Daemon, labels: tuple[str, ...]) -> bool:
     """Whether these are the labels of a session that is still attached (now, not at the pass's start)."""
     gpu, sid = int(labels[0]), int(labels[1])
     conn = daemon.links.owners.get(sid)
-    return (conn is not None and not conn.closing and conn.sessions.get(sid) == gpu
-            and not daemon.leases.owns(sid) and session_labels(gpu, sid, conn.name, conn.pid) == labels)
+    return (
+        conn is not None
+        and not conn.closing
+        and conn.sessions.get(sid) == gpu
+        and not daemon.leases.owns(sid)
+        and session_labels(gpu, sid, conn.name, conn.pid) == labels
+    )
 
 
 def _series(gauge: object) -> dict[tuple[str, ...], object]:

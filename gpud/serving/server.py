@@ -49,11 +49,18 @@ from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
 
+
 class Daemon:
     """State shared by every connection: GPUs, schedulers, who owns what."""
 
     def __init__(
-        self, config: Config, gpus: list[Gpu], metrics: Metrics, *, clock: Clock = now_us, restart_grace_us: int = 0,
+        self,
+        config: Config,
+        gpus: list[Gpu],
+        metrics: Metrics,
+        *,
+        clock: Clock = now_us,
+        restart_grace_us: int = 0,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -75,7 +82,9 @@ class Daemon:
         ids = itertools.count(1)  # sessions and leases share one id space: ``links.owners`` holds both
         self.allocations_wake = trio.Event()
         pieces = Pieces(self.slots, self.refs, self.links, self.effects, self.access, metrics)
-        self.allocations = Allocations(pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocations)
+        self.allocations = Allocations(
+            pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocations
+        )
         self.leases = Leases(pieces, config, ids, self.settle_all)
         self.locks = Locks(pieces, ids, self.allocations.session_allocation, self.leases.owns)
         self.admin = Admin(self.refs, self.links, self.effects, self.access)
@@ -90,8 +99,9 @@ class Daemon:
     def handle(self, conn: ClientLink, msg: Any) -> msgspec.Struct | None:
         """One decoded request -> its answer (None: none now, or none at all). Raises Refused."""
         if self.shutting_down:
-            raise Refused(p.ErrorCode.SHUTTING_DOWN,
-                          "gpud is shutting down; the client library reconnects when it is back")
+            raise Refused(
+                p.ErrorCode.SHUTTING_DOWN, "gpud is shutting down; the client library reconnects when it is back"
+            )
         if not conn.greeted and not isinstance(msg, p.Hello):
             raise Refused(p.ErrorCode.HELLO_REQUIRED, f"send HELLO before {msg.__struct_config__.tag}")
         handler = self.handlers.get(type(msg))
@@ -112,12 +122,23 @@ class Daemon:
         conn.labels = dict(msg.labels)
         log.info("client_attached", client=conn.client_id, pid=conn.pid, uid=conn.uid, name=conn.name)
         gpus = [
-            p.GpuInfo(index=s.gpu.index, uuid=s.gpu.uuid, name=s.gpu.name, memory_total_bytes=s.gpu.memory_total_bytes,
-                      simulated=s.gpu.simulated, scheduler_on=s.scheduler.enabled)
+            p.GpuInfo(
+                index=s.gpu.index,
+                uuid=s.gpu.uuid,
+                name=s.gpu.name,
+                memory_total_bytes=s.gpu.memory_total_bytes,
+                simulated=s.gpu.simulated,
+                scheduler_on=s.scheduler.enabled,
+            )
             for s in self.slots
         ]
-        return p.Welcome(id=msg.id, client_id=conn.client_id, version=p.PROTOCOL_VERSION, gpus=gpus,
-                         max_frame_bytes=self.config.max_frame_bytes)
+        return p.Welcome(
+            id=msg.id,
+            client_id=conn.client_id,
+            version=p.PROTOCOL_VERSION,
+            gpus=gpus,
+            max_frame_bytes=self.config.max_frame_bytes,
+        )
 
     # --- connection lifetime --------------------------------------------------
 

@@ -50,9 +50,25 @@ TICK_S = 0.5
 STOP_GRACE_S = 0.3  # how long a worker's loop gets to notice its stop before its wait is abandoned
 OVERRUN_S = 15.0  # the parent gives up on workers this long after their end
 _UNSEEN = p.SessionInfo(
-    session=0, gpu=GPU, state="idle", priority=0, grants=0, hold_ms=0, wait_ms=0, drops={}, revocations=0,
-    core_limit=100, budget_ms=None, window_used_ms=0, window_share_percent=0, recent_share_percent=0,
-    throttled=False, throttles=0, mem_estimate_bytes=None, mem_used_bytes=None, mem_limit_bytes=None,
+    session=0,
+    gpu=GPU,
+    state="idle",
+    priority=0,
+    grants=0,
+    hold_ms=0,
+    wait_ms=0,
+    drops={},
+    revocations=0,
+    core_limit=100,
+    budget_ms=None,
+    window_used_ms=0,
+    window_share_percent=0,
+    recent_share_percent=0,
+    throttled=False,
+    throttles=0,
+    mem_estimate_bytes=None,
+    mem_used_bytes=None,
+    mem_limit_bytes=None,
     mem_violations=0,
 )
 
@@ -157,7 +173,10 @@ def run_worker(kind: str, socket: str, seconds: float) -> int:
             work.session.close()
     s = work.session
     counts = {"slices": work.slices, "grants": s.grants, "drops": s.drops, "revocations": s.revocations}
-    print(json.dumps({"kind": kind, **counts, "asked": work.asked, "unasked": work.unasked, "lost": work.lost}), flush=True)
+    print(
+        json.dumps({"kind": kind, **counts, "asked": work.asked, "unasked": work.unasked, "lost": work.lost}),
+        flush=True,
+    )
     return 0
 
 
@@ -187,7 +206,17 @@ class _Child:
 
 def _spawn(kind: str, daemon: DaemonProcess, seconds: float) -> _Child:
     out, err = Path(daemon.workdir, f"{kind}.out"), Path(daemon.workdir, f"{kind}.err")
-    cmd = [sys.executable, "-m", "gpud.tools.demo", "--worker", kind, "--socket", daemon.socket, "--seconds", f"{seconds:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpud.tools.demo",
+        "--worker",
+        kind,
+        "--socket",
+        daemon.socket,
+        "--seconds",
+        f"{seconds:g}",
+    ]
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
     return _Child(kind, proc, out, err)
@@ -312,8 +341,19 @@ def _summary(tracker: _Tracker, reports: dict[str, dict[str, Any] | None]) -> li
     wall = tracker.wall_s
     rows = [_row(k, tracker.last[k], wall, reports.get(k)) for k in PATTERNS if k in tracker.last]
     total = sum(s.hold_ms for s in tracker.last.values()) / 10 / wall
-    header = ["client", "pattern", "held", "share", "grants", "waited", "wait/grant", "drops", "revoked",
-              "unasked", "slices"]
+    header = [
+        "client",
+        "pattern",
+        "held",
+        "share",
+        "grants",
+        "waited",
+        "wait/grant",
+        "drops",
+        "revoked",
+        "unasked",
+        "slices",
+    ]
     rows.append(["total", "", "", f"{total:.1f} %", *[""] * 7])
     intro = [
         f"\nGPU {GPU} over the {wall:.1f} s run, as the daemon counted it; the last two columns are each "
@@ -398,8 +438,12 @@ def run_demo(seconds: float) -> int:
         print("\ninterrupted: stopping the workers and the daemon", file=sys.stderr)
         return 130
     except (GpudError, RuntimeError) as exc:
-        print(f"demo failed: {exc}", *_failures([c for c in children if c.proc.poll() is not None]), sep="\n",
-              file=sys.stderr)
+        print(
+            f"demo failed: {exc}",
+            *_failures([c for c in children if c.proc.poll() is not None]),
+            sep="\n",
+            file=sys.stderr,
+        )
         print("daemon log (tail):\n" + "\n".join(daemon.log().splitlines()[-10:]), file=sys.stderr)
         return 1
     finally:
@@ -411,7 +455,9 @@ def run_demo(seconds: float) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpud.tools.demo", description="Processes sharing one GPU through gpud.")
+    ap = argparse.ArgumentParser(
+        prog="python -m gpud.tools.demo", description="Processes sharing one GPU through gpud."
+    )
     ap.add_argument("--seconds", type=float, default=RUN_S, help=f"how long the clients run (default {RUN_S:g})")
     ap.add_argument("--worker", choices=sorted(PATTERNS), help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)

@@ -76,7 +76,8 @@ class Forked:
             Forked._context = multiprocessing.get_context("forkserver")
             Forked._context.set_forkserver_preload(["gpud.main"])
         self._process = Forked._context.Process(
-            target=_run_daemon, args=(argv, log_path, env, os.getcwd()), name="gpud", daemon=False)
+            target=_run_daemon, args=(argv, log_path, env, os.getcwd()), name="gpud", daemon=False
+        )
         self._process.start()
         self.pid: int = self._process.pid
 
@@ -137,8 +138,13 @@ class DaemonProcess:
                 proc = Forked(argv, str(self.log_path), env)
             else:
                 with open(self.log_path, "ab") as log:
-                    proc = subprocess.Popen([sys.executable, "-m", "gpud.main", *argv], stdout=log, stderr=log,
-                                            stdin=subprocess.DEVNULL, env=env)
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "gpud.main", *argv],
+                        stdout=log,
+                        stderr=log,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                    )
             self.proc = proc
             if self._ready(proc, notify, time.monotonic() + timeout):
                 return self

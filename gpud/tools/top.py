@@ -36,7 +36,9 @@ def gpu_mode(g: p.GpuStatus) -> str:
 def gpu_memory(g: p.GpuStatus) -> str:
     """In use / usable, where usable is total less the reserve (named when there is one)."""
     used = f"{format_bytes(g.memory_in_use_bytes)}/{format_bytes(g.memory_capacity_bytes)}"
-    return used if g.memory_capacity_bytes == g.memory_total_bytes else f"{used} of {format_bytes(g.memory_total_bytes)}"
+    return (
+        used if g.memory_capacity_bytes == g.memory_total_bytes else f"{used} of {format_bytes(g.memory_total_bytes)}"
+    )
 
 
 def reserve_note(gpus: list[p.GpuStatus]) -> str:
@@ -49,37 +51,53 @@ def reserve_note(gpus: list[p.GpuStatus]) -> str:
     return "usable memory is total less each GPU's reserve"
 
 
-def frame(status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply, width: int | None,
-          *, styled: bool = True) -> list[str]:
+def frame(
+    status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply, width: int | None, *, styled: bool = True
+) -> list[str]:
     """The screen's lines; ``styled``: with bold and dim escapes (a terminal), ``width``: cut to it."""
     b, d, r = (BOLD, DIM, RESET) if styled else ("", "", "")
     hint = f"   {d}q to quit{r}" if styled else ""
-    lines = [f"{b}gpud {status.version}{r}  up {status.uptime_s:.0f}s  {len(status.gpus)} GPU(s)  "
-             f"{len(clients.clients)} client(s)  {reserve_note(status.gpus)}{hint}", ""]
+    lines = [
+        f"{b}gpud {status.version}{r}  up {status.uptime_s:.0f}s  {len(status.gpus)} GPU(s)  "
+        f"{len(clients.clients)} client(s)  {reserve_note(status.gpus)}{hint}",
+        "",
+    ]
     sessions = [(c, s) for c in clients.clients for s in c.sessions]
     for g in status.gpus:
         health = "" if g.healthy else f"  {b}UNHEALTHY{r}"
-        lines.append(f"{b}GPU {g.index}{r} {printable(g.name)}  mode {gpu_mode(g)}  TQ {g.tq_s:g}s  "
-                     f"memory {gpu_memory(g)}  grants {g.grants}{health}")
+        lines.append(
+            f"{b}GPU {g.index}{r} {printable(g.name)}  mode {gpu_mode(g)}  TQ {g.tq_s:g}s  "
+            f"memory {gpu_memory(g)}  grants {g.grants}{health}"
+        )
         held = {h.session for h in g.holders}
         rows = [(c, s) for c, s in sessions if s.gpu == g.index]
         if rows:
-            lines.append(f"  {'CLIENT':<16} {'PID':>7} {'STATE':<18} {'LIMIT':>5} {'WINDOW':>7} {'RECENT':>7} "
-                         f"{'MEMORY':>15} {'GRANTS':>6} {'DROPS':<12}")
+            lines.append(
+                f"  {'CLIENT':<16} {'PID':>7} {'STATE':<18} {'LIMIT':>5} {'WINDOW':>7} {'RECENT':>7} "
+                f"{'MEMORY':>15} {'GRANTS':>6} {'DROPS':<12}"
+            )
         for c, s in rows:
             state = ("▶ " if s.session in held else "  ") + s.state + (" throttled" if s.throttled else "")
             limit = "-" if s.core_limit >= 100 else f"{s.core_limit}%"
             used = "-" if s.mem_used_bytes is None else format_bytes(s.mem_used_bytes)
             cap = "" if s.mem_limit_bytes is None else "/" + format_bytes(s.mem_limit_bytes)
             drops = ",".join(f"{k}={v}" for k, v in sorted(s.drops.items())) or "-"
-            lines.append(f"  {printable(c.name)[:16] or '?':<16} {c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
-                         f"{s.recent_share_percent:>6.1f}% {used + cap:>15} {s.grants:>6} {drops:<12}")
+            lines.append(
+                f"  {printable(c.name)[:16] or '?':<16} {c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
+                f"{s.recent_share_percent:>6.1f}% {used + cap:>15} {s.grants:>6} {drops:<12}"
+            )
         for le in (x for x in leases.leases if x.gpu == g.index):
-            lines.append(f"  lease {printable(le.lease_id)} {printable(le.task_type)} {le.state} {printable(le.name)}[{le.pid}] "
-                         f"held {le.held_ms:.0f}ms waited {le.waited_ms:.0f}ms")
+            lines.append(
+                f"  lease {printable(le.lease_id)} {printable(le.task_type)} {le.state} {printable(le.name)}[{le.pid}] "
+                f"held {le.held_ms:.0f}ms waited {le.waited_ms:.0f}ms"
+            )
         if g.queue:
-            lines.append("  queue: " + ", ".join(f"{printable(w.name) or '?'}#{w.session}" + (" (throttled)" if w.throttled else "")
-                                                 for w in g.queue))
+            lines.append(
+                "  queue: "
+                + ", ".join(
+                    f"{printable(w.name) or '?'}#{w.session}" + (" (throttled)" if w.throttled else "") for w in g.queue
+                )
+            )
         lines.append("")
     if width is None:
         return lines
@@ -88,12 +106,23 @@ def frame(status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply,
 
 def snapshot(status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply) -> dict[str, Any]:
     """One refresh as JSON: STATUS's fields, with the clients and the leases beside them."""
-    return {"version": status.version, "uptime_s": status.uptime_s, "gpus": msgspec.to_builtins(status.gpus),
-            "clients": msgspec.to_builtins(clients.clients), "leases": msgspec.to_builtins(leases.leases)}
+    return {
+        "version": status.version,
+        "uptime_s": status.uptime_s,
+        "gpus": msgspec.to_builtins(status.gpus),
+        "clients": msgspec.to_builtins(clients.clients),
+        "leases": msgspec.to_builtins(leases.leases),
+    }
 
 
-def run(socket_path: str | None, interval: float, *, as_json: bool = False, count: int | None = None,
-        out: TextIO = sys.stdout) -> int:
+def run(
+    socket_path: str | None,
+    interval: float,
+    *,
+    as_json: bool = False,
+    count: int | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
     conn = Connection(socket_path)
     conn.hello("gpuctl-top")
     live = not as_json and out.isatty()  # redraw in place only on a terminal

@@ -38,8 +38,18 @@ from gpud_client.core.slices import NO_ACTIONS, SliceRules
 from gpud_client.errors import DaemonUnavailable, GpudError, LockLost, MemoryLimitExceeded, ProtocolError, error_from
 
 Answer = (
-    p.Error | p.Welcome | p.Attached | p.LimitsSet | p.Allocated | p.AllocationsReply | p.LeaseResult
-    | p.LeasesReply | p.PoliciesReply | p.Ok | p.StatusReply | p.ClientsReply
+    p.Error
+    | p.Welcome
+    | p.Attached
+    | p.LimitsSet
+    | p.Allocated
+    | p.AllocationsReply
+    | p.LeaseResult
+    | p.LeasesReply
+    | p.PoliciesReply
+    | p.Ok
+    | p.StatusReply
+    | p.ClientsReply
 )
 
 
@@ -91,8 +101,13 @@ class ClientCore(SliceRules):
             return NO_ACTIONS
         self.reconnects += 1
         failed = sum(1 for s in self.all if s.attach_error is not None)
-        return [Log(Level.INFO, f"reconnected to gpud at {self.path}; {len(self.all) - failed} session(s) re-attached"
-                                + (f", {failed} refused" if failed else ""))]
+        return [
+            Log(
+                Level.INFO,
+                f"reconnected to gpud at {self.path}; {len(self.all) - failed} session(s) re-attached"
+                + (f", {failed} refused" if failed else ""),
+            )
+        ]
 
     def connection_lost(self, why: str) -> list[Action]:
         """The connection ended. Requests fail; sessions wait for the next one; a held lock is lost."""
@@ -192,8 +207,18 @@ class ClientCore(SliceRules):
                     s.state = "idle"
                 return [WAKE]
             case (
-                p.Error() | p.Welcome() | p.Attached() | p.LimitsSet() | p.Allocated() | p.AllocationsReply()
-                | p.LeaseResult() | p.LeasesReply() | p.PoliciesReply() | p.Ok() | p.StatusReply() | p.ClientsReply()
+                p.Error()
+                | p.Welcome()
+                | p.Attached()
+                | p.LimitsSet()
+                | p.Allocated()
+                | p.AllocationsReply()
+                | p.LeaseResult()
+                | p.LeasesReply()
+                | p.PoliciesReply()
+                | p.Ok()
+                | p.StatusReply()
+                | p.ClientsReply()
             ):
                 return self._answered(msg)
             case _:
@@ -289,9 +314,13 @@ class ClientCore(SliceRules):
         return [Log(Level.WARNING if s.in_slice else Level.INFO, str(err)), CallOnLost(s, err)]
 
 
-
 def attach_msg(s: SessionState) -> p.Attach:
     return p.Attach(
-        id=0, gpu=s.gpu_ref, priority=s.priority, core_limit=s.core_limit,
-        mem_limit=s.mem_limit, mem_estimate=s.mem_estimate, task_id=s.task_id,
+        id=0,
+        gpu=s.gpu_ref,
+        priority=s.priority,
+        core_limit=s.core_limit,
+        mem_limit=s.mem_limit,
+        mem_estimate=s.mem_estimate,
+        task_id=s.task_id,
     )

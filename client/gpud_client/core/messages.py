@@ -29,8 +29,13 @@ def acquire_msg(
     trace: p.Trace | dict[str, Any] | None = None,
 ) -> p.Acquire:
     return p.Acquire(
-        id=0, gpu=gpu, task_type=task_type, priority=priority, max_wait_ms=max_wait_ms,
-        hold_max_ms=hold_max_ms, queue_limit=queue_limit,
+        id=0,
+        gpu=gpu,
+        task_type=task_type,
+        priority=priority,
+        max_wait_ms=max_wait_ms,
+        hold_max_ms=hold_max_ms,
+        queue_limit=queue_limit,
         busy_policy=None if busy_policy is None else p.BusyPolicy(busy_policy),
         mem_estimate=size(mem_estimate),
         trace=msgspec.convert(trace, p.Trace) if isinstance(trace, dict) else (trace or p.Trace()),
@@ -57,8 +62,17 @@ def allocate_msg(
     level = priority if isinstance(priority, int) else None
     klass = p.PriorityClass(priority) if isinstance(priority, str) else None
     return p.Allocate(
-        id=0, task_id=task_id, gpus=float(gpus), cpus=cpus, prefer=list(prefer or []), strategy=p.Strategy(strategy),
-        tenant=tenant, priority=level, priority_class=klass, wait_ms=wait_ms, owner_pid=owner_pid,
+        id=0,
+        task_id=task_id,
+        gpus=float(gpus),
+        cpus=cpus,
+        prefer=list(prefer or []),
+        strategy=p.Strategy(strategy),
+        tenant=tenant,
+        priority=level,
+        priority_class=klass,
+        wait_ms=wait_ms,
+        owner_pid=owner_pid,
     )
 
 
