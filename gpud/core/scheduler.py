@@ -645,7 +645,7 @@ class GpuScheduler:
             return
         staying = [s for s in self._running.values() if s.drop_reason is None]
         overflow = sum(self._need(s) for s in staying) - self._capacity()
-        for s in sorted((s for s in staying if not s.lease), key=lambda s: (s.priority, -s.granted_at)):
+        for s in sorted((s for s in staying if not s.lease), key=lambda s: (s.priority, -s.grant)):
             if overflow <= 0 or len(staying) <= 1:
                 return
             self._drop(s, DropReason.MEMORY, now, effects)
@@ -692,7 +692,7 @@ class GpuScheduler:
         staying = [s for s in self._running.values() if s.drop_reason is None]
         victims = sorted(
             (s for s in staying if s.priority < waiter.priority and not s.lease),
-            key=lambda s: (s.priority, -s.granted_at),
+            key=lambda s: (s.priority, -s.grant),
         )
         if not victims or self._fits_beside(waiter, staying):
             return  # nobody may be dropped for it, or enough is already on its way out

@@ -275,6 +275,18 @@ def test_auto_mode_drops_sessions_when_reported_memory_overflows() -> None:
     assert s.report_memory(1, 9 * GIB, 3) == []  # the last holder is never dropped
 
 
+def test_of_holders_granted_at_the_same_instant_the_later_grant_is_dropped_first() -> None:
+    """Several waiters can be granted in one pass (a release, a mode change): they share the
+    instant, and the grant order still says which came last."""
+    s = gpu(mode=Mode.SERIAL, memory=10 * GIB)
+    for sid in (1, 2, 3):
+        s.attach(sid, 0, mem_estimate=3 * GIB)
+    for sid in (1, 2, 3):
+        s.request(sid, sid)
+    assert s.set_mode(Mode.AUTO, 10) == [Grant(2, 2), Grant(3, 3)]  # both at t=10
+    assert s.report_memory(1, 5 * GIB, 11) == [Drop(3, 3, DropReason.MEMORY)]
+
+
 def test_concurrent_mode_does_not_drop_on_overflow() -> None:
     s = gpu(mode=Mode.CONCURRENT, memory=10 * GIB)
     start(s, (1, 100), (2, 100), mem=3 * GIB)
@@ -313,6 +325,16 @@ def test_preemption_drops_only_as_many_as_needed_lowest_first() -> None:
     assert s.request(4, 10) == [Drop(2, 2, DropReason.PREEMPT)]  # freeing 4 GiB is enough
     assert s.release(2, 11) == [Grant(4, 4)]
     assert s.holders() == [1, 3, 4]
+
+
+def test_of_holders_granted_at_the_same_instant_the_later_grant_is_preempted_first() -> None:
+    s = gpu(mode=Mode.SERIAL, memory=10 * GIB)
+    for sid, prio in [(1, 10), (2, 10), (3, 10), (4, 90)]:
+        s.attach(sid, 0, priority=prio, mem_estimate=3 * GIB)
+    for sid in (1, 2, 3):
+        s.request(sid, sid)
+    assert s.set_mode(Mode.CONCURRENT, 10) == [Grant(2, 2), Grant(3, 3)]  # both at t=10
+    assert s.request(4, 11) == [Drop(3, 3, DropReason.PREEMPT)]
 
 
 def test_equal_or_lower_priority_never_preempts() -> None:
