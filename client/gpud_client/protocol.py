@@ -710,12 +710,14 @@ CLIENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__
 
 
 class FrameTooLarge(Exception):
-    """The peer announced a frame longer than the limit."""
+    """The peer announced a frame longer than the limit. ``payloads``: the whole frames that came
+    before it in the same bytes, for the reader to handle before it answers the error."""
 
-    def __init__(self, length: int, limit: int) -> None:
+    def __init__(self, length: int, limit: int, payloads: list[bytes] | None = None) -> None:
         super().__init__(f"frame of {length} bytes is over the {limit}-byte limit")
         self.length = length
         self.limit = limit
+        self.payloads = payloads or []
 
     def __reduce__(self) -> tuple[type[FrameTooLarge], tuple[int, int]]:
         return type(self), (self.length, self.limit)
@@ -743,7 +745,7 @@ class FrameDecoder:
         while len(self._buf) >= HEADER_BYTES:
             (length,) = _HEADER.unpack_from(self._buf)
             if length > self._max:
-                raise FrameTooLarge(length, self._max)
+                raise FrameTooLarge(length, self._max, out)
             end = HEADER_BYTES + length
             if len(self._buf) < end:
                 break

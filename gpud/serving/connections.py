@@ -195,11 +195,11 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
         # nothing (it released, and the grant went to another) has nothing to say: wait, rather
         # than pay a read into EAGAIN before sleeping.
         sends_before = conn.sends
+        too_large = None
         try:
             payloads = frames.feed(data)
-        except p.FrameTooLarge as exc:
-            protocol_error(daemon, conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(exc))
-            return
+        except p.FrameTooLarge as exc:  # the requests before it are answered first
+            payloads, too_large = exc.payloads, exc
         work += 1  # the read itself is a unit of work
         for payload in payloads:
             if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
@@ -213,6 +213,9 @@ async def _read_loop(daemon: Daemon, conn: ClientLink) -> None:
             if not handle_payload(daemon, conn, payload, codec):
                 return
             work += 1
+        if too_large is not None:
+            protocol_error(daemon, conn, None, p.ErrorCode.FRAME_TOO_LARGE, str(too_large))
+            return
         if work >= _TURN_MESSAGES or time.perf_counter() - turn_began > _TURN_S:
             await trio.lowlevel.checkpoint()
             work, turn_began = 0, time.perf_counter()
