@@ -23,6 +23,8 @@ the in-process integration tests (``tests/integration/test_inproc_*.py``) share 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,13 +33,15 @@ from typing import Any
 
 import msgspec
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry
 
 from gpud.host.config import Config
 from gpud.host.devices import Gpu, simulated_gpus
 from gpud.host.metrics import Metrics
 from gpud.host.store import Store, StoreError
-from gpud.serving.connections import handle_payload
+from gpud.serving.connections import handle_payload, serve_connection
+from gpud.serving.monitor import publish
 from gpud.serving.server import Daemon
 from gpud.serving.state import ClientLink
 from gpud.serving.timers import tick_allocations, tick_gpu
@@ -140,6 +144,7 @@ class Node:
         self.gpus: list[Gpu] = simulated_gpus(gpus)
         self.daemon = Daemon(self.config, self.gpus, Metrics(self.registry), clock=self.clock)
         self.failing_writes = False  # the store refuses writes while True
+        self.next_reap = self.clock()  # with reap_interval_s set: the first tick reaps, as the timer does at start
         real_write = self.daemon.allocations.store.write
 
         def write(*args: Any, **kwargs: Any) -> None:
@@ -150,7 +155,10 @@ class Node:
         self.daemon.allocations.store.write = write  # type: ignore[method-assign]
 
     def close_store(self) -> None:
+        """Close the store (and remove the state directory the node made for itself, if it did)."""
         self.daemon.allocations.store.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # --- connections ------------------------------------------------------------------
 
@@ -182,16 +190,24 @@ class Node:
         return self.clock()
 
     def tick(self) -> None:
-        """Run what the timer tasks run at this instant: every GPU's due deadlines, the allocations'."""
+        """Run what the timer tasks run at this instant: every GPU's due deadlines, the allocations'; and,
+        when ``reap_interval_s`` is set (the harness's default is 0: never), the reaping of dead owners'
+        allocations once an interval, as ``run_allocations_timer`` does (owners are real pids)."""
         now = self.clock()
         for slot in self.daemon.slots:
             tick_gpu(self.daemon, slot, now)
-        tick_allocations(self.daemon, now, reap=False)
+        interval = self.daemon.config.reap_interval_s
+        reap = bool(interval) and now >= self.next_reap
+        tick_allocations(self.daemon, now, reap=reap)
+        if reap:
+            self.next_reap = now + round(interval * 1e6)
 
     def next_deadline(self) -> int | None:
         times = [t for t in (s.scheduler.next_deadline() for s in self.daemon.slots) if t is not None]
         if (t := self.daemon.allocations.ledger.next_deadline()) is not None:
             times.append(t)
+        if self.daemon.config.reap_interval_s:
+            times.append(self.next_reap)
         return min(times) if times else None
 
     def advance(self, us: int) -> None:
@@ -223,6 +239,53 @@ class Node:
             return [a.task_id for a, _ in store.load().records]
         finally:
             store.close()
+
+    def publish(self) -> None:
+        """Refresh the gauges as the monitor does once an interval (all of ``monitor.publish``'s steps)."""
+        for _ in publish(self.daemon):
+            pass
+
+    # --- one real connection ------------------------------------------------------------
+
+    def serve_bytes(self, *writes: bytes) -> list[Any]:
+        """Bytes as a client wrote them on a new connection, each write once the daemon has done with
+        the one before, and then no more: served by the listener's own connection task
+        (``serve_connection``: the kernel's credentials, the framing, the read loop) over a socket
+        pair. Returns what the daemon wrote back until it closed the connection."""
+        return trio.run(self._serve_bytes, writes)
+
+    async def _serve_bytes(self, writes: tuple[bytes, ...]) -> list[Any]:
+        ours, theirs = socket.socketpair()
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        client = trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+
+        async def serve() -> None:
+            try:
+                await serve_connection(self.daemon, stream)
+            finally:
+                await trio.aclose_forcefully(stream)  # as the listener does
+
+        async def write() -> None:
+            try:
+                for data in writes:
+                    await client.send_all(data)
+                    await trio.testing.wait_all_tasks_blocked()  # the daemon has read and answered it
+                await client.send_eof()
+            except trio.BrokenResourceError:
+                pass  # closed before it read it all
+
+        got = b""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            nursery.start_soon(write)
+            try:
+                while chunk := await client.receive_some():
+                    got += chunk
+            except trio.BrokenResourceError:
+                pass  # reset: closed with bytes unread
+        await client.aclose()
+        reader = p.client_codec()
+        return [reader.decode(f) for f in p.FrameDecoder(p.MAX_REPLY_BYTES).feed(got)]
 
 
 @contextmanager
@@ -269,10 +332,10 @@ class CoreClient:
 
     def attach(self, gpu: int | str = 0, *, priority: int = 50, core_limit: int = 100, mem_limit: int | None = None,
                mem_estimate: int | None = None, on_drop: Callable[[p.DropReason], Any] | None = None,
-               synchronize: Callable[[], Any] | None = None) -> SessionState:
+               synchronize: Callable[[], Any] | None = None, task_id: str | None = None) -> SessionState:
         s = SessionState(gpu, priority=priority, idle_release=None, core_limit=core_limit, mem_limit=mem_limit,
                          mem_estimate=mem_estimate, memory_probe=None, framework_hooks=False, on_drop=on_drop,
-                         synchronize=synchronize)
+                         synchronize=synchronize, task_id=task_id)
         waiter = object()
         send = self.core.attach(s, waiter)
         self._carry_out([send])
@@ -302,6 +365,11 @@ class CoreClient:
 
     def release(self, s: SessionState) -> None:
         self._carry_out(self.core.release(s))
+        self.deliver()
+
+    def report_memory(self, s: SessionState, used_bytes: int) -> None:
+        """``Session.report_memory``: MEM_UPDATE, and whatever the daemon pushes back."""
+        self._carry_out(self.core.report_memory(s, used_bytes))
         self.deliver()
 
     def _carry_out(self, actions: list[Action]) -> None:

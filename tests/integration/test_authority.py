@@ -1,9 +1,12 @@
-"""Who may do what, end to end: a real daemon, clients forked under other uids and groups.
+"""Who may do what where only a real daemon will do: clients forked under other uids and groups.
 
-Tests run as root (here and in CI) and root is an admin, so every refusal is asked
-from a forked child that dropped to another uid, gid and supplementary groups
-(``user``); the test and the child talk over a pair of pipes, one JSON value a line,
-so each step happens in a known order and nothing waits on time.
+The daemon's rules of who may do what are tested in process with faked credentials
+(``tests/daemon/test_authority.py``). These tests keep what the faking stands in for, the
+uid (SO_PEERCRED) and the supplementary groups (SO_PEERGROUPS, even where the daemon cannot
+see /proc) that the daemon learns from the kernel, and a reload by SIGHUP of a real daemon.
+A client under another uid is a forked child that dropped to that uid, gid and supplementary
+groups (``user``; needs root); the test and the child talk over a pair of pipes, one JSON
+value a line, so each step happens in a known order and nothing waits on time.
 """
 
 from __future__ import annotations
@@ -32,11 +35,7 @@ from gpud_client.connection import Connection
 from gpud_client.errors import ProtocolError
 
 from .waiting import eventually
-from .wire import NOBODY, attach, connect, expect
-
-GIB = 2**30
-OTHER_UID = 65533  # no name needed: a uid is a number
-
+from .wire import NOBODY, connect
 
 # --- helpers ----------------------------------------------------------------------
 
@@ -131,20 +130,10 @@ def outcome(conn: Connection, msg: msgspec.Struct) -> list[str]:
     return ["ok", ""]
 
 
-def codes(results: dict[str, list[str]]) -> dict[str, str]:
-    return {k: v[0] for k, v in results.items()}
-
-
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
     )
-
-
-def my_session(conn: Connection, name: str) -> p.SessionInfo:
-    reply = conn.call(p.ListClients(id=conn.next_id()))
-    session: p.SessionInfo = [c for c in reply.clients if c.name == name][0].sessions[0]
-    return session
 
 
 def users_group() -> grp.struct_group:
@@ -162,243 +151,23 @@ def config(tmp_path: Path, text: str) -> str:
 
 
 
-# --- 1. an admin's limit is a ceiling -----------------------------------------------
+# --- the kernel's credentials -------------------------------------------------------------
 
 
-def test_an_admins_limit_is_a_ceiling_the_client_cannot_lift(daemon: DaemonProcess) -> None:
-    def capped(line: Line) -> dict[str, Any]:
-        conn = connect(daemon, "capped")
-        attach(conn)
-        line.say("attached")
-        assert line.hear() == "go"
-        tries = {
-            "core 60": outcome(conn, p.SetLimits(id=0, core_limit=60)),
-            "core 20": outcome(conn, p.SetLimits(id=0, core_limit=20)),
-            "core 30": outcome(conn, p.SetLimits(id=0, core_limit=30)),
-            "core 31": outcome(conn, p.SetLimits(id=0, core_limit=31)),
-            "mem lifted": outcome(conn, p.SetLimits(id=0, mem_limit=0)),
-            "mem 5GiB": outcome(conn, p.SetLimits(id=0, mem_limit=5 * GIB)),
-            "mem 1GiB": outcome(conn, p.SetLimits(id=0, mem_limit=GIB)),
-        }
-        s = my_session(conn, "capped")
-        return {"tries": tries, "after": [s.core_limit, s.core_ceiling, s.mem_limit_bytes, s.mem_ceiling_bytes]}
+def test_a_client_under_another_uid_is_seen_as_that_uid(daemon: DaemonProcess) -> None:
+    """What the in-process tests fake: a child forked under uid and gid 65534 is listed with
+    them (SO_PEERCRED) and refused what a non-admin may not do."""
 
-    with user(daemon, capped) as line:
-        assert line.hear() == "attached"
-        out = gpuctl(daemon, "limit", "capped", "--core", "30", "--mem", "4GiB")
-        assert out.returncode == 0, out.stderr
-        line.say("go")
-        got = line.result()
-    assert codes(got["tries"]) == {
-        "core 60": "permission_denied", "core 20": "ok", "core 30": "ok", "core 31": "permission_denied",
-        "mem lifted": "permission_denied", "mem 5GiB": "permission_denied", "mem 1GiB": "ok",
-    }
-    assert "ceiling of 30 %" in got["tries"]["core 60"][1]
-    assert got["after"] == [30, 30, GIB, 4 * GIB]
+    def ask(line: Line) -> list[Any]:
+        conn = connect(daemon, "nobody")
+        [me] = [c for c in conn.call(p.ListClients(id=conn.next_id())).clients if c.name == "nobody"]
+        return [me.pid == os.getpid(), me.uid, me.gid, outcome(conn, p.SetTq(id=0, seconds=1.0))[0]]
+
+    assert run_as(daemon, ask) == [True, NOBODY, NOBODY, "permission_denied"]
+    assert {g.tq_s for g in connect(daemon).call(p.Status(id=1)).gpus} == {30.0}
 
 
-# --- 2. a fractional allocation's limits, named or not ----------------------------------
-
-
-def test_a_fractional_allocation_limits_sessions_that_do_not_name_it(daemon: DaemonProcess) -> None:
-    def by_uid(line: Line) -> dict[str, Any]:
-        conn = connect(daemon, "frac")
-        a = conn.call(p.Allocate(id=conn.next_id(), task_id="frac-task", gpus=0.25, prefer=[1]))
-        on_it = conn.call(p.Attach(id=conn.next_id(), gpu=a.gpus[0]))  # no task_id, no labels
-        elsewhere = conn.call(p.Attach(id=conn.next_id(), gpu=0))
-        return {
-            "gpus": a.gpus,
-            "on_it": [on_it.core_limit, on_it.mem_limit],
-            "elsewhere": [elsewhere.core_limit, elsewhere.mem_limit],
-            "raise": outcome(conn, p.SetLimits(id=0, session=on_it.session, core_limit=50)),
-            "lift": outcome(conn, p.SetLimits(id=0, session=on_it.session, mem_limit=0)),
-            "lower": outcome(conn, p.SetLimits(id=0, session=on_it.session, core_limit=10)),
-        }
-
-    got = run_as(daemon, by_uid)
-    assert got["gpus"] == [1]
-    assert got["on_it"] == [25, 16 * GIB // 4]
-    assert got["elsewhere"] == [100, None]
-    assert codes({k: got[k] for k in ("raise", "lift", "lower")}) == {
-        "raise": "permission_denied", "lift": "permission_denied", "lower": "ok",
-    }
-
-    # An allocation root made for this test process: its children belong to it, whoever they
-    # run as, and that wins over their own uid's smaller allocation on the same GPU.
-    root = connect(daemon, "root")
-    owned = root.call(p.Allocate(id=root.next_id(), task_id="by-pid", gpus=0.5, prefer=[0], owner_pid=os.getpid()))
-    assert owned.gpus == [0]
-
-    def child_of_owner(line: Line) -> list[Any]:
-        conn = connect(daemon, "child")
-        conn.call(p.Allocate(id=conn.next_id(), task_id="nobody-small", gpus=0.1, prefer=[0]))
-        s = conn.call(p.Attach(id=conn.next_id(), gpu=0))
-        return [s.core_limit, s.mem_limit]
-
-    assert run_as(daemon, child_of_owner) == [50, 16 * GIB // 2]
-
-
-# --- 3. priority caps -------------------------------------------------------------------
-
-
-def test_priorities_above_the_callers_maximum_are_refused(
-    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
-) -> None:
-    users = users_group()
-    cfg = config(tmp_path, f'priority_max = 40\n[priority_max_uids]\n"{NOBODY}" = 60\n'
-                           f'[priority_max_groups]\n"{users.gr_name}" = 70\n')
-    d = daemon_factory("--simulate", "2", "--config", cfg)
-
-    def tries(name: str, over: int, at: int) -> Callable[[Line], dict[str, list[str]]]:
-        def act(line: Line) -> dict[str, list[str]]:
-            conn = connect(d, name)
-            return {
-                "over": outcome(conn, p.Attach(id=0, gpu=0, priority=over)),
-                "at": outcome(conn, p.Attach(id=0, gpu=0, priority=at)),
-                "production": outcome(conn, p.Allocate(id=0, task_id=f"{name}-1", gpus=0.1,
-                                                       priority_class=p.PriorityClass.PRODUCTION)),
-                "best-effort": outcome(conn, p.Allocate(id=0, task_id=f"{name}-2", gpus=0.1,
-                                                        priority_class=p.PriorityClass.BEST_EFFORT)),
-            }
-        return act
-
-    expected = {"over": "permission_denied", "at": "ok", "production": "permission_denied", "best-effort": "ok"}
-    cases = [  # (who, its maximum): the uid's setting wins over its groups, then the highest group, then the default
-        (dict(uid=NOBODY, gid=NOBODY, groups=(users.gr_gid,)), 60),
-        (dict(uid=OTHER_UID, gid=OTHER_UID, groups=(users.gr_gid,)), 70),
-        (dict(uid=OTHER_UID, gid=OTHER_UID, groups=()), 40),
-    ]
-    for i, (who, maximum) in enumerate(cases):
-        got = run_as(d, tries(f"u{i}", maximum + 1, maximum), **who)
-        assert codes(got) == expected, (who, got)
-        assert f"priority {maximum + 1} is above your maximum {maximum}" in got["over"][1]
-        assert f"priority 100 is above your maximum {maximum}" in got["production"][1]
-
-    root = connect(d, "root")
-    assert root.call(p.Attach(id=root.next_id(), gpu=0, priority=100)).session
-    assert root.call(p.Allocate(id=root.next_id(), task_id="root-prod", gpus=0.1,
-                                priority_class=p.PriorityClass.PRODUCTION)).priority == 100
-
-
-def test_a_lease_asking_above_its_policy_gets_the_policys_priority(
-    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
-) -> None:
-    d = daemon_factory("--simulate", "2", "--config", config(tmp_path, f'[priority_max_uids]\n"{NOBODY}" = 60\n'))
-    holder, eager = connect(d, "holder"), connect(d, "eager")
-    held = holder.call(p.Acquire(id=holder.next_id(), gpu=1, task_type="OTHER"))
-    assert held.acquired
-    eager.send(p.Acquire(id=eager.next_id(), gpu=1, task_type="OTHER", priority=99, max_wait_ms=20_000))
-
-    def modest(line: Line) -> str:
-        conn = connect(d, "modest")
-        with pytest.raises(ProtocolError, match="lease priority 61 is above your maximum 60"):  # its own cap first
-            conn.call(p.Acquire(id=conn.next_id(), gpu=1, task_type="OTHER", priority=61, max_wait_ms=20_000))
-        line.say("asking")
-        r = conn.call(p.Acquire(id=conn.next_id(), gpu=1, task_type="OTHER", priority=55, max_wait_ms=20_000),
-                      timeout=25)
-        return str(r.status)
-
-    def waiting() -> dict[str, int]:
-        leases = holder.call(p.ListLeases(id=holder.next_id())).leases
-        return {le.name: le.priority for le in leases if le.state == "waiting"}
-
-    with user(d, modest) as line:
-        assert line.hear() == "asking"
-        eventually(lambda: len(waiting()) == 2, "two leases waiting")
-        assert waiting() == {"eager": 50, "modest": 50}  # OTHER's policy: 99 and 55 are cut to 50
-        holder.call(p.Release(id=holder.next_id(), lease_id=held.lease_id))
-        first = expect(eager, p.LeaseResult)
-        assert first.acquired  # equal priorities: first come, first served
-        eager.call(p.Release(id=eager.next_id(), lease_id=first.lease_id))
-        assert line.result() == "ACQUIRED"
-
-
-def test_naming_a_task_type_gives_no_more_priority_than_the_caller_may_declare(
-    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
-) -> None:
-    """ASR's default policy has priority 90, above a non-admin's maximum of 50: a stranger's ASR
-    lease waits at 50; a uid a reserved policy names gets its 90; anyone else is refused it."""
-    users = users_group()
-    cfg = config(tmp_path, '[policies.TTS]\npriority = 70\nbusy_policy = "WAIT"\nmax_wait_ms = 20000\n'
-                           f'gids = [{users.gr_gid}]\n')
-    d = daemon_factory("--simulate", "2", "--config", cfg)
-    holder = connect(d, "holder")
-    held = holder.call(p.Acquire(id=holder.next_id(), gpu=1, task_type="OTHER"))
-    assert held.acquired
-
-    def asks(task_type: str) -> Callable[[Line], list[str]]:
-        def act(line: Line) -> list[str]:
-            conn = connect(d, f"asks-{task_type}")
-            conn.send(p.Acquire(id=conn.next_id(), gpu=1, task_type=task_type, max_wait_ms=20_000))
-            line.say("asked")
-            reply = conn.recv(25)
-            if isinstance(reply, p.Error):
-                return [str(reply.code), reply.message]
-            return [str(reply.status), ""]
-        return act
-
-    def waiting() -> dict[str, int]:
-        leases = holder.call(p.ListLeases(id=holder.next_id())).leases
-        return {le.name: le.priority for le in leases if le.state == "waiting"}
-
-    with user(d, asks("TTS"), uid=OTHER_UID, gid=OTHER_UID, groups=()) as outsider:
-        assert outsider.hear() == "asked"
-        refused = outsider.result()
-    assert refused[0] == "permission_denied"
-    assert f"task type TTS is reserved for uids [] and gids [{users.gr_gid}]" in refused[1]
-    with user(d, asks("ASR"), uid=OTHER_UID, gid=OTHER_UID) as stranger, \
-            user(d, asks("TTS"), uid=OTHER_UID, gid=OTHER_UID, groups=(users.gr_gid,)) as member:
-        assert stranger.hear() == "asked" and member.hear() == "asked"
-        eventually(lambda: len(waiting()) == 2, "two leases waiting", why=lambda: str(waiting()))
-        assert waiting() == {"asks-ASR": 50, "asks-TTS": 70}
-        holder.call(p.Release(id=holder.next_id(), lease_id=held.lease_id))
-        assert member.result() == ["ACQUIRED", ""]  # 70 before 50, though it came later
-        assert stranger.result() == ["ACQUIRED", ""]
-
-
-# --- 4. another uid's task id -------------------------------------------------------------
-
-
-def test_another_uids_task_is_neither_shown_nor_freed(
-    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
-) -> None:
-    cfg = config(tmp_path, f"[tenants.open]\ngpus = 1\n[tenants.listed]\ngpus = 1\nuids = [{NOBODY}]\n")
-    d = daemon_factory("--simulate", "2", "--config", cfg)
-    root = connect(d, "root")
-    for task, tenant in [("t1", None), ("o1", "open"), ("l1", "listed")]:
-        root.call(p.Allocate(id=root.next_id(), task_id=task, gpus=0.25, tenant=tenant))
-
-    def stranger(line: Line) -> dict[str, Any]:
-        conn = connect(d, "stranger")
-        try:
-            stolen: Any = conn.call(p.Allocate(id=conn.next_id(), task_id="t1", gpus=0.25))
-        except ProtocolError as exc:
-            stolen = [str(exc.code), exc.message]
-        return {
-            "allocate t1": stolen if isinstance(stolen, list) else msgspec.to_builtins(stolen),
-            "free t1": outcome(conn, p.Free(id=0, task_id="t1")),
-            "free o1": outcome(conn, p.Free(id=0, task_id="o1")),
-            "free l1": outcome(conn, p.Free(id=0, task_id="l1")),
-            "own open": outcome(conn, p.Allocate(id=0, task_id="n1", gpus=0.25, tenant="open")),
-            "free own": outcome(conn, p.Free(id=0, task_id="n1")),
-        }
-
-    got = run_as(d, stranger)
-    stolen = got["allocate t1"]
-    assert isinstance(stolen, list) and stolen[0] == "permission_denied", stolen  # not the devices of t1
-    assert "belongs to uid 0" in stolen[1]
-    assert codes({k: v for k, v in got.items() if k != "allocate t1"}) == {
-        "free t1": "permission_denied",
-        "free o1": "permission_denied",  # a tenant without uids/gids lets anyone allocate, not free others' tasks
-        "free l1": "ok",  # a listed member may
-        "own open": "ok",
-        "free own": "ok",
-    }
-    listing = root.call(p.ListAllocations(id=root.next_id()))
-    assert sorted(a.task_id for a in listing.allocations) == ["o1", "t1"]
-
-
-# --- 5. admin through a supplementary group -------------------------------------------------
+# --- admin through a supplementary group -------------------------------------------------
 
 
 @pytest.fixture(params=["proc", "no-proc"])
@@ -429,6 +198,7 @@ def test_a_member_of_the_admin_group_through_a_supplementary_group_is_admin(
     with monkeypatch.context() as m:
         if hidden_proc is not None:
             m.setattr(sys, "executable", hidden_proc)
+            m.setattr(DaemonProcess, "preload", False)  # started by that interpreter, not forked from a server
         d = daemon_factory("--simulate", "2", "--config", cfg)
     if hidden_proc is not None:  # the daemon really sees no /proc: groups can only come from SO_PEERGROUPS
         assert d.proc is not None
@@ -445,36 +215,7 @@ def test_a_member_of_the_admin_group_through_a_supplementary_group_is_admin(
     assert {g.tq_s for g in connect(d).call(p.Status(id=1)).gpus} == {5.0}
 
 
-# --- 6. control characters in names -----------------------------------------------------------
-
-
-def send(conn: Connection, obj: dict[str, Any]) -> Any:
-    conn.send_raw(p.frame(msgspec.msgpack.encode(obj)))
-    return conn.recv(5)
-
-
-def test_names_with_control_characters_are_refused_at_decode(daemon: DaemonProcess) -> None:
-    conn = Connection(daemon.socket)
-    hello: dict[str, Any] = {"type": "HELLO", "id": 1, "version": p.PROTOCOL_VERSION}
-    bad_hellos: list[tuple[dict[str, Any], str]] = [
-        ({"name": "evil\x1b[2J"}, "$.name"),
-        ({"labels": {"team": "a\nb"}}, "$.labels"),
-        ({"labels": {"te\x07am": "a"}}, "$.labels"),
-    ]
-    for bad, where in bad_hellos:
-        err = send(conn, {**hello, **bad})
-        assert isinstance(err, p.Error) and err.code == p.ErrorCode.INVALID, err
-        assert where in err.message, err.message
-    assert isinstance(send(conn, {**hello, "name": "fine"}), p.Welcome)  # the connection goes on
-    acquire = {"type": "ACQUIRE", "id": 2, "gpu": 0, "task_type": "OTHER"}
-    err = send(conn, {**acquire, "trace": {"job_id": "j\r1"}})
-    assert isinstance(err, p.Error) and err.code == p.ErrorCode.INVALID and "$.trace" in err.message, err
-    clients = conn.call(p.ListClients(id=3)).clients
-    assert [c.name for c in clients] == ["fine"]
-    assert conn.call(p.ListLeases(id=4)).leases == []
-
-
-# --- 7. reload: safe and complete ---------------------------------------------------------------
+# --- reload: safe and complete ---------------------------------------------------------------
 
 
 def events(d: DaemonProcess, name: str) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
-"""The daemon's caps against real daemons started with small ones: connections (total, per
-uid, without HELLO), sessions per connection, lock and lease queues, allocation waiters,
-unread outboxes, running out of descriptors, and metric series that stay bounded.
+"""The caps the listener enforces on real sockets, against real daemons started with small
+ones: connections (total, per uid, without HELLO), unread outboxes, and running out of
+descriptors. The caps on what requests may make the daemon hold (sessions, lock and lease
+queues, allocation waiters, metric series) are tested in process (``tests/daemon/test_caps.py``).
 
 Every wait polls STATUS, the log or the metrics against a deadline; a refusal by a cap
 is an ERROR limit_reached whose message names the configuration key."""
@@ -16,11 +17,10 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,10 +28,9 @@ from gpud.main import FD_RESERVE
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
-from gpud_client.errors import ProtocolError
 
 from .waiting import eventually
-from .wire import attach, connect, expect, gpu_status, nothing_arrives, request, take_lock, wait_queue
+from .wire import attach, connect, nothing_arrives, request, take_lock
 
 Factory = Callable[..., DaemonProcess]
 
@@ -180,109 +179,6 @@ def test_a_connection_without_hello_is_closed_after_hello_timeout(daemon_factory
     nothing_arrives(first, 0.05)
     assert sample(d, "gpud_connections_dropped_total", reason="no_hello") == 1
     first.close()
-
-
-# --- sessions, queues and waiters -------------------------------------------------------
-
-
-def test_sessions_per_connection_are_capped(daemon_factory: Factory, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, max_sessions_per_connection=2)
-    a = connect(d, "a")
-    attach(a, 0)
-    second = attach(a, 1)
-    for msg in (p.Attach(id=a.next_id(), gpu=0), p.Acquire(id=a.next_id(), gpu=1, task_type="ASR")):
-        with pytest.raises(ProtocolError, match=r"\(max_sessions_per_connection\)") as refused:
-            a.call(msg)
-        assert refused.value.code == p.ErrorCode.LIMIT_REACHED
-    b = connect(d, "b")
-    attach(b, 0)  # the cap is per connection
-    assert isinstance(a.call(p.Detach(id=a.next_id(), session=second)), p.Ok)
-    attach(a, 1)  # room again
-    assert sample(d, "gpud_limit_refusals_total", cap="max_sessions_per_connection") == 2
-
-
-def test_a_lock_request_over_max_lock_queue_is_refused_and_the_queue_goes_on(
-    daemon_factory: Factory, tmp_path: Path
-) -> None:
-    d = start(daemon_factory, tmp_path, "--mode", "serial", max_lock_queue=2)
-    holder, w1, w2, w3 = (connect(d, n) for n in ("holder", "w1", "w2", "w3"))
-    sh, s1, s2, s3 = (attach(c) for c in (holder, w1, w2, w3))
-    ok = take_lock(holder, sh)
-    request(w1, s1)
-    wait_queue(holder, [s1])
-    request(w2, s2)
-    wait_queue(holder, [s1, s2])
-    rid = w3.next_id()
-    w3.send(p.LockRequest(id=rid, session=s3))
-    err = expect(w3, p.Error)
-    assert (err.id, err.code) == (rid, p.ErrorCode.LIMIT_REACHED) and "(max_lock_queue)" in err.message
-    st = gpu_status(w3)
-    assert [(h.session, h.grant) for h in st.holders] == [(sh, ok.grant)]
-    assert [w.session for w in st.queue] == [s1, s2]
-    holder.send(p.LockReleased(id=holder.next_id(), session=sh, grant=ok.grant))
-    assert expect(w1, p.LockOk).session == s1  # the handoff to the first waiter
-    wait_queue(holder, [s2])
-    request(w3, s3)  # room again
-    wait_queue(holder, [s2, s3])
-    assert sample(d, "gpud_limit_refusals_total", cap="max_lock_queue") == 1
-
-
-BATCH = '[policies.BATCH]\npriority = 50\nbusy_policy = "WAIT"\nmax_wait_ms = 60000\n'
-
-
-def acquire(conn: Connection, task_type: str, **terms: Any) -> int:
-    rid = conn.next_id()
-    conn.send(p.Acquire(id=rid, gpu=0, task_type=task_type, **terms))
-    return rid
-
-
-def waiting_leases(conn: Connection) -> int:
-    return [x.state for x in conn.call(p.ListLeases(id=conn.next_id())).leases].count("waiting")
-
-
-def test_lease_terms_only_tighten_the_node_and_policy(daemon_factory: Factory, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, "--mode", "serial", toml=BATCH, lease_queue_limit=2)
-    holder, probe, w1, w2 = (connect(d, n) for n in ("holder", "probe", "w1", "w2"))
-    acquire(holder, "ASR")
-    held = expect(holder, p.LeaseResult)
-    assert held.acquired
-    acquire(probe, "BATCH", queue_limit=0)  # lowered below the node's 2: full with nobody waiting
-    r = expect(probe, p.LeaseResult)
-    assert (r.status, r.reason) == (p.LeaseStatus.SKIPPED, p.LeaseReason.QUEUE_FULL)
-    acquire(probe, "SEMANTIC_REPAIR", max_wait_ms=86_400_000)  # cut to the policy's 400 ms
-    r = expect(probe, p.LeaseResult, timeout=5.0)
-    assert (r.status, r.reason) == (p.LeaseStatus.SKIPPED, p.LeaseReason.TIMEOUT)
-    assert r.queue_wait_ms < 5000
-    first = acquire(w1, "BATCH")
-    eventually(lambda: waiting_leases(probe) == 1, "w1's lease waits")
-    acquire(w2, "BATCH")  # only now, so that it waits behind w1
-    eventually(lambda: waiting_leases(probe) == 2, "w2's lease waits")
-    acquire(probe, "BATCH", queue_limit=50)  # raised above the node's 2: still 2
-    r = expect(probe, p.LeaseResult)
-    assert (r.status, r.reason) == (p.LeaseStatus.SKIPPED, p.LeaseReason.QUEUE_FULL)
-    assert probe.call(p.ListPolicies(id=probe.next_id())).policies["BATCH"].queue_limit == 2
-    holder.send(p.Release(id=holder.next_id(), lease_id=held.lease_id or "", quiet=True))
-    got = expect(w1, p.LeaseResult)
-    assert got.id == first and got.acquired  # the waiters were not disturbed
-    nothing_arrives(w2, 0.05)
-
-
-def test_allocation_waiters_are_capped(daemon_factory: Factory, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, max_allocation_waiters=1)
-    a, w1, w2 = connect(d, "a"), connect(d, "w1"), connect(d, "w2")
-    assert isinstance(a.call(p.Allocate(id=a.next_id(), task_id="everything", gpus=2)), p.Allocated)
-    rid = w1.next_id()
-    w1.send(p.Allocate(id=rid, task_id="w1", gpus=1, wait_ms=60_000))
-    eventually(lambda: a.call(p.ListAllocations(id=a.next_id())).waiting == ["w1"], "w1 waits")
-    with pytest.raises(ProtocolError, match=r"\(max_allocation_waiters\)") as refused:
-        w2.call(p.Allocate(id=w2.next_id(), task_id="w2", gpus=1, wait_ms=60_000))
-    assert refused.value.code == p.ErrorCode.LIMIT_REACHED
-    with pytest.raises(ProtocolError) as short:  # one that does not wait is answered as before
-        w2.call(p.Allocate(id=w2.next_id(), task_id="w3", gpus=1))
-    assert short.value.code == p.ErrorCode.INSUFFICIENT
-    assert isinstance(a.call(p.Free(id=a.next_id(), task_id="everything")), p.Ok)
-    got = expect(w1, p.Allocated)
-    assert (got.id, got.task_id) == (rid, "w1")
 
 
 # --- a client that never reads ------------------------------------------------------------
@@ -440,53 +336,3 @@ def test_out_of_descriptors_the_connected_clients_and_the_watchdog_go_on(
     for s in table[5:] + accepted:
         s.close()
     kept.close()
-
-
-# --- metrics ---------------------------------------------------------------------------
-
-
-def sample_lines(d: DaemonProcess) -> int:
-    return sum(1 for line in scrape(d).splitlines() if line and not line.startswith("#"))
-
-
-def pipelined(conn: Connection, msgs: Sequence[msgspec.Struct], answer: type) -> None:
-    """Send in batches, read each batch's answers (the daemon stops reading an unread client)."""
-    codec = p.client_codec()
-    for k in range(0, len(msgs), 1000):
-        batch = msgs[k:k + 1000]
-        conn.send_raw(b"".join(codec.encode(m) for m in batch))
-        for m in batch:
-            got = expect(conn, answer)
-            assert got.id == m.id  # type: ignore[attr-defined]
-
-
-def test_metric_series_stay_bounded(daemon_factory: Factory, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, "--mode", "serial", monitor_interval_s=0.1)
-    c = connect(d, "many-types")
-    acquire(c, "ASR")
-    assert expect(c, p.LeaseResult).acquired  # GPU 0 is busy: every acquire below is answered at once
-    warm = [p.Acquire(id=c.next_id(), gpu=0, task_type="warm-up", max_wait_ms=0),
-            p.ReportOom(id=c.next_id(), gpu=0, task_type="warm-up")]
-    pipelined(c, warm[:1], p.LeaseResult)
-    pipelined(c, warm[1:], p.Ok)
-    eventually(lambda: sample(d, "gpud_gpu_holders", gpu="0") == 1, "the monitor published")
-    before = sample_lines(d)
-    pipelined(c, [p.Acquire(id=c.next_id(), gpu=0, task_type=f"T{i}", max_wait_ms=0) for i in range(20_000)],
-              p.LeaseResult)
-    pipelined(c, [p.ReportOom(id=c.next_id(), gpu=0, task_type=f"T{i}") for i in range(20_000)], p.Ok)
-    assert sample_lines(d) - before <= 3
-    assert sample(d, "gpud_gpu_oom_total", gpu="0", task_type="OTHER") == 20_001  # the policy they run under
-    assert sample(d, "gpud_arbiter_acquire_total", gpu="0", task_type="OTHER", status="SKIPPED") == 20_001
-    assert 'task_type="other"' not in scrape(d)  # one label for OTHER, not two
-
-    s = connect(d, "gauged")
-    sid = str(attach(s, 1))
-    s.call(p.SetLimits(id=s.next_id(), session=int(sid), mem_limit=2**30))
-    gauges = ["gpud_session_core_limit_ratio", "gpud_session_window_used_seconds", "gpud_session_throttled",
-              "gpud_session_memory_bytes", "gpud_session_memory_limit_bytes"]
-    eventually(lambda: all(sample(d, g, session=sid) is not None for g in gauges), "the session's gauges", 2.0)
-    s.call(p.SetLimits(id=s.next_id(), session=int(sid), mem_limit=0))  # lifted: no limit series
-    eventually(lambda: sample(d, "gpud_session_memory_limit_bytes", session=sid) is None, "the limit series goes", 2.0)
-    assert sample(d, "gpud_session_core_limit_ratio", session=sid) == 1.0
-    assert isinstance(s.call(p.Detach(id=s.next_id(), session=int(sid))), p.Ok)
-    eventually(lambda: all(sample(d, g, session=sid) is None for g in gauges), "a detached session's series go", 2.0)

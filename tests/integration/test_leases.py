@@ -1,4 +1,7 @@
-"""Leases (GpuArbiter) end to end: real daemon, real service processes, real metrics scrapes."""
+"""Leases (GpuArbiter) end to end: a real daemon, real service processes and a killed holder, the
+sync client's lease context manager, metrics scraped over HTTP and the daemon's log lines. The
+rules checked through the protocol (releases, busy policies, refused acquires, policy updates,
+the watchdog, the forced release) are in tests/daemon/test_leases.py, in-process on a fake clock."""
 
 from __future__ import annotations
 
@@ -10,18 +13,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
-import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.tools.spawn import DaemonProcess
-from gpud_client import Client, PermissionDenied, ProtocolError
-from gpud_client import protocol as p
+from gpud_client import Client
 
 from .waiting import eventually
-from .wire import connect, expect
 
 # A service that loops over leases of one task type and writes one JSON line per
 # acquire: status, reason, the daemon's queue wait and its own observed latency.
@@ -110,19 +109,6 @@ def test_a_killed_holder_frees_its_lease_at_once(daemon: DaemonProcess) -> None:
         victim.wait()
 
 
-def test_release_is_idempotent_and_others_leases_are_refused(daemon: DaemonProcess) -> None:
-    with Client(daemon.socket, name="a") as a, Client(daemon.socket, name="b") as b:
-        r = a.acquire("gpu:0", task_type="TTS")
-        assert r.acquired and r.lease_id
-        with pytest.raises(PermissionDenied, match="belongs to client"):
-            b.release_lease(r.lease_id)
-        assert [le.lease_id for le in a.leases().leases] == [r.lease_id]
-        a.release_lease(r.lease_id)
-        a.release_lease(r.lease_id)  # idempotent
-        b.release_lease("no-such-lease")
-        assert a.leases().leases == []
-
-
 def test_the_context_manager_releases_on_exceptions(daemon: DaemonProcess) -> None:
     with Client(daemon.socket) as c:
         with pytest.raises(RuntimeError):
@@ -132,85 +118,6 @@ def test_the_context_manager_releases_on_exceptions(daemon: DaemonProcess) -> No
         assert c.leases().leases == []
         with c.lease(0, task_type="ASR") as r2:
             assert r2.acquired and r2.queue_wait_ms == 0  # granted the instant it was read: it never queued
-
-
-def test_each_busy_policy_answers_on_a_busy_gpu(daemon: DaemonProcess) -> None:
-    with Client(daemon.socket) as holder, Client(daemon.socket) as c:
-        with holder.lease("gpu:0", task_type="ASR"):
-            for policy, status in [("WAIT", "SKIPPED"), ("SKIP", "SKIPPED"), ("FALLBACK_CPU", "FALLBACK_CPU")]:
-                r = c.acquire("gpu:0", busy_policy=policy, max_wait_ms=0)
-                assert (r.status, r.reason) == (status, "GPU_BUSY")
-                r = c.acquire("gpu:0", busy_policy=policy, max_wait_ms=100)
-                assert (r.status, r.reason) == (status, "TIMEOUT") and r.queue_wait_ms >= 99
-                r = c.acquire("gpu:0", busy_policy=policy, queue_limit=0)
-                assert (r.status, r.reason) == (status, "QUEUE_FULL")
-
-
-def test_bad_acquires_are_refused_and_nothing_is_queued(daemon: DaemonProcess) -> None:
-    conn = connect(daemon)
-    for bad, needle in [
-        ({"busy_policy": "PANIC"}, "$.busy_policy"),
-        ({"priority": 101}, "$.priority"),
-        ({"priority": -1}, "$.priority"),
-        ({"max_wait_ms": -5}, "$.max_wait_ms"),
-        ({"hold_max_ms": 0}, "$.hold_max_ms"),
-        ({"task_type": ""}, "$.task_type"),
-        ({"gpu": "gpu:9"}, "unknown GPU 'gpu:9'"),
-        ({"gpu": "cuda0"}, "unknown GPU 'cuda0'"),
-    ]:
-        msg = {"type": "ACQUIRE", "id": 5, "gpu": "gpu:0", "task_type": "ASR", **bad}
-        conn.send_raw(p.frame(msgspec.msgpack.encode(msg)))
-        err = expect(conn, p.Error)
-        assert err.id == 5 and needle in err.message, (bad, err)
-    with Client(daemon.socket) as c:
-        assert c.leases().leases == []
-        with pytest.raises(ProtocolError, match="unknown_gpu"):
-            c.acquire("gpu:3")
-
-
-def test_policies_are_hot_updated(daemon: DaemonProcess) -> None:
-    with Client(daemon.socket) as c:
-        assert c.policies()["SEMANTIC_REPAIR"].max_wait_ms == 400
-        out = subprocess.run(
-            [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "policy", "SEMANTIC_REPAIR",
-             "--max-wait", "0", "--busy", "FALLBACK_CPU", "--json"],
-            capture_output=True, text=True, timeout=30,
-        )
-        assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["policies"]["SEMANTIC_REPAIR"]["busy_policy"] == "FALLBACK_CPU"
-        with c.lease("gpu:0", task_type="ASR"):
-            r = c.acquire("gpu:0", task_type="SEMANTIC_REPAIR")
-        assert (r.status, r.reason) == ("FALLBACK_CPU", "GPU_BUSY")
-        c.set_policy("VAD", priority=60, busy_policy="SKIP", max_wait_ms=50)
-        assert c.policies()["VAD"].priority == 60
-
-
-def test_watchdog_logs_and_counts_and_can_force_release(daemon_factory: Callable[..., DaemonProcess]) -> None:
-    d = daemon_factory("--simulate", "1", "--metrics-addr", "127.0.0.1:0")
-    with Client(d.socket) as c:
-        r = c.acquire("gpu:0", task_type="ASR", hold_max_ms=100)
-        eventually(lambda: '"lease_overdue"' in d.log(), "lease_overdue in the log", why=d.log)
-        leases = c.leases().leases
-        assert leases[0].overdue and leases[0].state == "holding"  # reported, not taken away
-        c.release_lease(r.lease_id or "")
-    assert sample(d, "gpud_arbiter_watchdog_exceeded_total", gpu="0", task_type="ASR") == 1
-
-
-def test_forced_release_when_configured(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
-    path = str(tmp_path / "gpud.toml")
-    with open(path, "w") as f:
-        f.write(
-            "lease_force_release = true\n"
-            "[policies.ASR]\npriority = 90\nbusy_policy = 'WAIT'\nmax_wait_ms = 3000\nhold_max_ms = 100\n"
-        )
-    d = daemon_factory("--simulate", "1", "--config", path)
-    with Client(d.socket) as c, Client(d.socket) as other:
-        r = c.acquire("gpu:0", task_type="ASR")
-        assert r.acquired
-        r2 = other.acquire("gpu:0", task_type="NMT", max_wait_ms=2000)
-        assert r2.acquired and 80 <= r2.queue_wait_ms < 1000
-        eventually(lambda: r.lease_id in c.revoked_leases, "LEASE_REVOKED arrives")
-        c.release_lease(r.lease_id or "")  # already gone: still fine
 
 
 def scrape(d: DaemonProcess) -> str:

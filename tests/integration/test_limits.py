@@ -1,4 +1,8 @@
-"""Compute and memory limits end to end: a real daemon and real client processes."""
+"""Compute and memory limits end to end: the shares real client processes get on a real daemon,
+gpuctl limit and gpuctl mode (their parsing, output and usage errors), and the sync client's own
+part (its memory probe, PyTorch's memory fraction, its errors). The rules checked through the
+protocol (refused limits, the memory error at the next slice, who may change whose limits, modes,
+preemption) are in tests/daemon/test_limits.py, in-process on a fake clock."""
 
 from __future__ import annotations
 
@@ -9,15 +13,14 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgspec
 import pytest
 
 from gpud.tools.spawn import DaemonProcess
-from gpud_client import Client, MemoryLimitExceeded, PermissionDenied, ProtocolError
+from gpud_client import Client, ProtocolError
 from gpud_client import protocol as p
 
 from .waiting import eventually
-from .wire import as_nobody, attach, connect, expect, gpu_status, take_lock, wait_queue
+from .wire import attach, connect, expect, gpu_status
 
 # A worker that always has work: 3 ms "kernels" inside slices, forever.
 WORKER = """
@@ -99,8 +102,9 @@ def test_a_live_limit_change_governs_at_once_and_keeps_the_use(fast: DaemonProce
         info = session_info(fast, "trainer")
         assert info.drops.get("quota", 0) >= 4
         assert 25 <= info.recent_share_percent <= 40, info
-        drops = info.drops["quota"]
         assert gpuctl(fast, "limit", "trainer", "--core", "100").returncode == 0
+        # counted once the raise is in force: gpuctl may take seconds to start, and the 30 % limit throttles meanwhile
+        drops = session_info(fast, "trainer").drops["quota"]
         time.sleep(2.6)  # not a wait: the last 4 windows, over which the share is measured, all after the raise
         info = session_info(fast, "trainer")
         assert info.recent_share_percent >= 85 and info.drops["quota"] <= drops + 1, info
@@ -109,24 +113,17 @@ def test_a_live_limit_change_governs_at_once_and_keeps_the_use(fast: DaemonProce
         proc.wait()
 
 
-def test_bad_limits_are_refused_and_change_nothing(fast: DaemonProcess) -> None:
+def test_bad_limits_are_refused_by_gpuctl_and_change_nothing(fast: DaemonProcess) -> None:
+    """What gpuctl limit refuses itself, before it asks (malformed requests and what the daemon
+    refuses are checked in-process, in tests/daemon/test_limits.py)."""
     a = connect(fast, "a")
     sa = attach(a)
-    for bad in ({"core_limit": 0}, {"core_limit": 101}, {"core_limit": "half"}, {"mem_limit": -1}):
-        a.send_raw(p.frame(msgspec.msgpack.encode({"type": "SET_LIMITS", "id": 7, **bad})))
-        err = expect(a, p.Error)
-        assert err.code == p.ErrorCode.INVALID and "$." in err.message, err
-    for bad in ({"core_limit": 0}, {"mem_estimate": -5}):
-        a.send_raw(p.frame(msgspec.msgpack.encode({"type": "ATTACH", "id": 8, "gpu": 0, **bad})))
-        assert expect(a, p.Error).code == p.ErrorCode.INVALID
     for args, needle in [
         (["limit", "a", "--core", "0"], "1..100"),
         (["limit", "a", "--core", "101"], "1..100"),
         (["limit", "a", "--mem=-1GiB"], "not a size"),
         (["limit", "a", "--mem", "8GB-ish"], "not a size"),
         (["limit", "a", "--mem", "8parsecs"], "unknown size unit"),
-        (["limit", "nobody", "--core", "5"], "no client 'nobody'"),
-        (["limit", "a", "--core", "5", "--gpu", "3"], "unknown GPU"),
         (["limit", "a"], "nothing to change"),
     ]:
         out = gpuctl(fast, *args)
@@ -142,22 +139,6 @@ def test_memory_sizes_in_gpuctl_are_parsed(fast: DaemonProcess) -> None:
         assert gpuctl(fast, "limit", "a", "--mem", size).returncode == 0
         assert session_info(fast, "a").mem_limit_bytes == value
         assert expect(a, p.LimitsChanged).mem_limit == value
-
-
-def test_memory_above_the_limit_raises_at_the_next_slice(daemon: DaemonProcess) -> None:
-    with Client(daemon.socket, name="greedy") as c:
-        s = c.session(0, mem_estimate="1GiB", mem_limit="2GiB", framework_hooks=False)
-        with s.slice():
-            s.report_memory(3 * 2**30)
-        eventually(lambda: s.mem_error is not None, "the memory error arrives")
-        with pytest.raises(MemoryLimitExceeded, match="above its limit of 2147483648 bytes") as err:
-            with s.slice():
-                pass
-        assert err.value.used_bytes == 3 * 2**30
-        with s.slice():  # raised once; the next slice runs
-            pass
-        info = session_info(daemon, "greedy")
-        assert (info.mem_used_bytes, info.mem_violations) == (3 * 2**30, 1)
 
 
 def test_memory_probe_reports_use_at_slice_end(daemon: DaemonProcess) -> None:
@@ -234,52 +215,16 @@ def test_a_limit_change_caps_the_device_the_session_was_made_on(
     assert cuda.fractions == [(0.25, 1), (0.5, 1)]
 
 
-def test_modes_change_at_run_time(daemon: DaemonProcess) -> None:
-    a, b = connect(daemon, "a"), connect(daemon, "b")
-    sa = a.call(p.Attach(id=a.next_id(), gpu=0, mem_estimate=2**30)).session
-    sb = b.call(p.Attach(id=b.next_id(), gpu=0, mem_estimate=2**30)).session
+def test_gpuctl_mode_prints_the_change_and_refuses_an_unknown_mode(daemon: DaemonProcess) -> None:
+    """gpuctl mode's output and its usage error (what a change of mode does to sessions is checked
+    in-process, in tests/daemon/test_limits.py)."""
     assert gpuctl(daemon, "mode", "serial", "--gpu", "0").returncode == 0
-    take_lock(a, sa)
-    b.send(p.LockRequest(id=b.next_id(), session=sb))
-    wait_queue(a, [sb])
     out = gpuctl(daemon, "mode", "concurrent", "--json")
     assert json.loads(out.stdout) == {"ok": True, "mode": "concurrent", "gpu": None}
-    assert expect(b, p.LockOk).session == sb
-    st = gpu_status(a)
-    assert st.mode == "concurrent" and len(st.holders) == 2
-    assert st.memory_in_use_bytes == 2 * 2**30
+    conn = connect(daemon)
+    assert [gpu_status(conn, g).mode for g in (0, 1)] == ["concurrent", "concurrent"]
     out = gpuctl(daemon, "mode", "turbo")
     assert out.returncode == 2 and "invalid choice" in out.stderr
-
-
-def test_priority_preempts_a_running_session(daemon: DaemonProcess) -> None:
-    low, high = connect(daemon, "low"), connect(daemon, "high")
-    sl, sh = attach(low, priority=10), attach(high, priority=90)
-    ok = take_lock(low, sl)
-    high.send(p.LockRequest(id=high.next_id(), session=sh))
-    drop = expect(low, p.DropLock)
-    assert (drop.grant, drop.reason) == (ok.grant, p.DropReason.PREEMPT)
-    low.send(p.LockReleased(id=low.next_id(), session=sl, grant=ok.grant))
-    assert expect(high, p.LockOk).session == sh
-
-
-def test_another_clients_limit_needs_admin(daemon: DaemonProcess) -> None:
-    victim = connect(daemon, "victim")
-    attach(victim)
-
-    def ask() -> str:
-        c = Client(daemon.socket, name="nobody")
-        mine = c.session(0)
-        try:
-            c.set_limits("victim", core_limit=5)
-            result = "allowed"
-        except PermissionDenied as exc:
-            result = exc.code
-        mine.set_limits(core_limit=40)  # its own limits it may change
-        return f"{result},{mine.core_limit}"
-
-    assert as_nobody(daemon, ask) == "permission_denied,40"
-    assert session_info(daemon, "victim").core_limit == 100
 
 
 def test_limit_errors_in_the_client_library(daemon: DaemonProcess) -> None:

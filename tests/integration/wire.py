@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
@@ -70,31 +66,3 @@ def wait_queue(conn: Connection, expected: list[int], gpu: int = 0, timeout: flo
 
 
 NOBODY = 65534
-
-
-def as_nobody(d: DaemonProcess, act: Callable[[], str]) -> str:
-    """Run ``act`` in a child process under uid/gid 65534 (no supplementary
-    groups) and return what it returned. Needs root; skips the test otherwise."""
-    if os.getuid() != 0:
-        pytest.skip("needs root to run a client under another uid")
-    os.chmod(d.workdir, 0o755)
-    os.chmod(d.socket, 0o666)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: become nobody, act, report, never return into pytest
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            os.write(w, act().encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    out = os.read(r, 4096).decode()
-    os.close(r)
-    assert status == 0, f"the child under uid {NOBODY} failed"
-    return out
