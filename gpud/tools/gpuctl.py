@@ -13,7 +13,6 @@ cannot be reached, else the daemon's error code); stdout stays empty.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import re
@@ -600,6 +599,7 @@ class _Version(argparse.Action):
 
 def versions() -> dict[str, str | int]:
     """gpuctl's (the gpud distribution's), gpud-client's and the wire protocol's."""
+    import importlib.metadata  # here: only --version needs it, and it is slow to import
 
     def of(dist: str) -> str:
         try:
