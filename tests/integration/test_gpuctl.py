@@ -1,8 +1,14 @@
-"""gpuctl as a user runs it: a real process against a real daemon."""
+"""gpuctl against a real daemon: its commands, output, errors and exit statuses.
+
+gpuctl's ``main`` runs in this process with its own argument list, environment, standard
+output and error (as a separate process would see them), so the many cases cost no
+interpreter start each; one test runs the installed ``gpuctl`` script as a user does."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
 import json
 import os
 import subprocess
@@ -12,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gpud.tools.gpuctl import main
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client import protocol as p
@@ -20,9 +27,31 @@ from .wire import attach, connect, request, take_lock, wait_queue
 
 
 def gpuctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpud.tools.gpuctl", *args], capture_output=True, text=True, timeout=30, env=env
-    )
+    """``gpuctl ARGS`` run by its ``main`` in this process: what it printed and its exit status."""
+    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's --help
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["gpuctl", *args], code, out.getvalue(), err.getvalue())
+
+
+def test_the_installed_script_is_gpuctl(daemon: DaemonProcess) -> None:
+    script = Path(sys.executable).with_name("gpuctl")
+    out = subprocess.run([str(script), "--socket", daemon.socket, "status", "--json"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["gpus"]) == 2
+    bad = subprocess.run([str(script), "status", "--bogus"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--bogus" in bad.stderr
 
 
 def test_status_json_reports_every_gpu_with_holder_and_queue(daemon: DaemonProcess) -> None:
