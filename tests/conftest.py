@@ -14,9 +14,14 @@ from gpud.tools.spawn import DaemonProcess
 # without an interpreter's start-up and gpud's imports (gpud/tools/spawn.py).
 DaemonProcess.preload = True
 TESTS = Path(__file__).parent
-TIERS = {"core": "core", "client": "core", "integration": "integration",
-         "test_daemon_sim.py": "sim", "test_fuzz_handling.py": "sim",  # long seeded or generated runs
-         "test_demo.py": "integration"}  # the demo's own daemon and client processes
+TIERS = {
+    "core": "core",
+    "client": "core",
+    "integration": "integration",
+    "test_daemon_sim.py": "sim",
+    "test_fuzz_handling.py": "sim",  # long seeded or generated runs
+    "test_demo.py": "integration",
+}  # the demo's own daemon and client processes
 # Files whose tests run on one worker together when the suite runs in parallel (make test):
 # each starts Ray clusters, and two at once would only slow each other down.
 TOGETHER = {"test_ray.py": "ray", "test_ray_nodes.py": "ray"}

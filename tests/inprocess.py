@@ -131,13 +131,24 @@ class Peer:
 class Node:
     """A real ``Daemon`` on simulated GPUs and a fake clock; its store on a real SQLite file."""
 
-    def __init__(self, gpus: str = "2x16GiB", *, state_dir: str | None = None, clock: Callable[[], int] | None = None,
-                 registry: CollectorRegistry | None = None, **config: Any) -> None:
+    def __init__(
+        self,
+        gpus: str = "2x16GiB",
+        *,
+        state_dir: str | None = None,
+        clock: Callable[[], int] | None = None,
+        registry: CollectorRegistry | None = None,
+        **config: Any,
+    ) -> None:
         """``clock``: a ``FakeClock`` (the default) or the real one (``gpud.serving.state.now_us``) for a daemon
         served on a real socket (``open_listener`` and ``serve``); ``config``: ``Config``'s fields."""
         self.workdir = None if state_dir else tempfile.mkdtemp(prefix="gpud-inproc-")
-        settings: dict[str, Any] = {"socket": "/nonexistent/gpud.sock", "metrics_addr": "off", "reap_interval_s": 0,
-                                    "state_dir": state_dir or os.path.join(self.workdir or "", "state")}
+        settings: dict[str, Any] = {
+            "socket": "/nonexistent/gpud.sock",
+            "metrics_addr": "off",
+            "reap_interval_s": 0,
+            "state_dir": state_dir or os.path.join(self.workdir or "", "state"),
+        }
         self.config = Config(**(settings | config))
         self.clock = clock or FakeClock()
         self.registry = registry or CollectorRegistry()
@@ -162,9 +173,17 @@ class Node:
 
     # --- connections ------------------------------------------------------------------
 
-    def connect(self, name: str = "peer", *, uid: int | None = None, gid: int | None = None,
-                groups: frozenset[int] = frozenset(), pid: int | None = None, fd: int = -1,
-                hello: bool = True) -> Peer:
+    def connect(
+        self,
+        name: str = "peer",
+        *,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: frozenset[int] = frozenset(),
+        pid: int | None = None,
+        fd: int = -1,
+        hello: bool = True,
+    ) -> Peer:
         """A new connection with these credentials (this process's by default), greeted unless told not to."""
         creds = (ME[0] if pid is None else pid, ME[1] if uid is None else uid, ME[2] if gid is None else gid)
         peer = Peer(self, self.daemon.links.open(creds, groups, fd, trio.CancelScope()))
@@ -330,12 +349,31 @@ class CoreClient:
         assert waiter in self.resolved, f"gpud did not answer {type(msg).__name__} at once"
         return self.core.finish(send.msg.id)  # type: ignore[attr-defined]
 
-    def attach(self, gpu: int | str = 0, *, priority: int = 50, core_limit: int = 100, mem_limit: int | None = None,
-               mem_estimate: int | None = None, on_drop: Callable[[p.DropReason], Any] | None = None,
-               synchronize: Callable[[], Any] | None = None, task_id: str | None = None) -> SessionState:
-        s = SessionState(gpu, priority=priority, idle_release=None, core_limit=core_limit, mem_limit=mem_limit,
-                         mem_estimate=mem_estimate, memory_probe=None, framework_hooks=False, on_drop=on_drop,
-                         synchronize=synchronize, task_id=task_id)
+    def attach(
+        self,
+        gpu: int | str = 0,
+        *,
+        priority: int = 50,
+        core_limit: int = 100,
+        mem_limit: int | None = None,
+        mem_estimate: int | None = None,
+        on_drop: Callable[[p.DropReason], Any] | None = None,
+        synchronize: Callable[[], Any] | None = None,
+        task_id: str | None = None,
+    ) -> SessionState:
+        s = SessionState(
+            gpu,
+            priority=priority,
+            idle_release=None,
+            core_limit=core_limit,
+            mem_limit=mem_limit,
+            mem_estimate=mem_estimate,
+            memory_probe=None,
+            framework_hooks=False,
+            on_drop=on_drop,
+            synchronize=synchronize,
+            task_id=task_id,
+        )
         waiter = object()
         send = self.core.attach(s, waiter)
         self._carry_out([send])

@@ -71,8 +71,13 @@ def test_a_stream_overlapping_itself_by_rounding_is_closed_up_but_by_more_is_ref
 
 
 def test_a_report_becomes_a_timeline_on_its_own_clock(tl: ModuleType) -> None:
-    report = {"first": tl.Anchor(1_000 * MS, 0), "last": tl.Anchor(2_000 * MS, 0), "last_ms": 1_000.0,
-              "start_ms": array("d", [10.0, 13.0]), "dur_ms": array("d", [3.0, 3.0])}
+    report = {
+        "first": tl.Anchor(1_000 * MS, 0),
+        "last": tl.Anchor(2_000 * MS, 0),
+        "last_ms": 1_000.0,
+        "start_ms": array("d", [10.0, 13.0]),
+        "dur_ms": array("d", [3.0, 3.0]),
+    }
     t, clock = tl.on_one_clock(report)
     assert list(t.starts) == [1_010 * MS, 1_013 * MS] and list(t.ends) == [1_013 * MS, 1_016 * MS]
     assert clock.drift_ppm == 0
@@ -150,8 +155,14 @@ def _busy_then_throttled(tl: ModuleType) -> Any:
 
 def test_a_lowered_limit_governs_when_the_sessions_last_kernel_ends(tl: ModuleType) -> None:
     change = {"launch": 240 * MS, "return": 260 * MS, "raise_launch": 262 * MS, "raise_return": 270 * MS}
-    got = tl.limit_change_figures([change], [(245 * MS, "quota")], [274 * MS, 1000 * MS, 2000 * MS],
-                                  _busy_then_throttled(tl), (1000 * MS, 3000 * MS), 1000 * MS)
+    got = tl.limit_change_figures(
+        [change],
+        [(245 * MS, "quota")],
+        [274 * MS, 1000 * MS, 2000 * MS],
+        _busy_then_throttled(tl),
+        (1000 * MS, 3000 * MS),
+        1000 * MS,
+    )
     assert got["samples_ms"] == [-5.0] and got["max_ms"] == -5.0  # 255 ms, 5 ms before gpuctl returned
     assert got["drop_samples_ms"] == [-15.0] and got["raise_samples_ms"] == [5.0]
     assert got["after_change"]["achieved"] == 20.0 and got["after_change"]["window_shares"] == [20.0, 20.0]
@@ -160,8 +171,14 @@ def test_a_lowered_limit_governs_when_the_sessions_last_kernel_ends(tl: ModuleTy
 
 def test_a_limit_change_without_a_quota_drop_voids_the_sample(tl: ModuleType) -> None:
     with pytest.raises(tl.MeasurementError, match="no DROP_LOCK"):
-        tl.limit_change_figures([{"launch": 240 * MS, "return": 260 * MS}], [(245 * MS, "tq")], [],
-                                _busy_then_throttled(tl), (1000 * MS, 2000 * MS), 1000 * MS)
+        tl.limit_change_figures(
+            [{"launch": 240 * MS, "return": 260 * MS}],
+            [(245 * MS, "tq")],
+            [],
+            _busy_then_throttled(tl),
+            (1000 * MS, 2000 * MS),
+            1000 * MS,
+        )
 
 
 # --- the kernel's size --------------------------------------------------------------------------
@@ -204,6 +221,7 @@ def test_timings_that_shrink_as_the_size_grows_are_refused(workers: ModuleType) 
 def test_calibration_converges_on_a_gpu_whose_time_grows_as_the_cube(workers: ModuleType, ms_at_8192: float) -> None:
     """The parent's loop (gpu_workers.calibrate) against a GPU whose kernel time is a cube of the size plus a
     launch cost, from a fast H100-like one to a slow one: a 2-5 ms size within the loop's rounds."""
+
     def kernel_ms(n: int) -> float:
         return 0.01 + ms_at_8192 * (n / 8192) ** 3
 
@@ -250,24 +268,39 @@ def test_the_daemon_must_report_the_real_gpu_nvml_sees(tl: ModuleType) -> None:
 
 
 def _session(limit: int, achieved: float, kps: float, session: str = "a") -> dict[str, Any]:
-    return {"session": session, "limit": limit, "achieved": achieved,
-            "error_pp": round(achieved - limit, 3) if limit < 100 else None, "kernels_per_s": kps,
-            "idle_in_holds_pp": 0.01}
+    return {
+        "session": session,
+        "limit": limit,
+        "achieved": achieved,
+        "error_pp": round(achieved - limit, 3) if limit < 100 else None,
+        "kernels_per_s": kps,
+        "idle_in_holds_pp": 0.01,
+    }
 
 
 def _result(tl: ModuleType) -> dict[str, Any]:
     runs = [
         {"name": "single-25", "mode": "serial", "sessions": [_session(25, 24.6, 70.0)]},
         {"name": "mix-25+75", "mode": "serial", "sessions": [_session(25, 24.5, 69.0), _session(75, 73.0, 207.0, "b")]},
-        {"name": "concurrent-50", "mode": "concurrent",
-         "sessions": [_session(50, 49.0, 120.0), _session(100, 51.0, 125.0, "b")]},
+        {
+            "name": "concurrent-50",
+            "mode": "concurrent",
+            "sessions": [_session(50, 49.0, 120.0), _session(100, 51.0, 125.0, "b")],
+        },
         {"name": "unlimited-alone", "mode": "serial", "sessions": [_session(100, 99.5, 280.0)]},
     ]
     nvml = {"name": "Tesla T4", "uuid": "GPU-1", "memory_total_bytes": 15_843_721_216, "index": 0, "driver": "x"}
     kernel = {"size": 4096, "ms": 3.4, "what": "fp16 matmul 4096x4096"}
-    limit_update = {"max_ms": -12.5, "median_ms": -20.0, "drop_max_ms": -30.0, "target_ms": 100.0,
-                    "reference_ms": 5000.0, "met": True, "flags": [],
-                    "after_change": {"achieved": 19.8, "window_shares": [19.7, 19.9]}}
+    limit_update = {
+        "max_ms": -12.5,
+        "median_ms": -20.0,
+        "drop_max_ms": -30.0,
+        "target_ms": 100.0,
+        "reference_ms": 5000.0,
+        "met": True,
+        "flags": [],
+        "after_change": {"achieved": 19.8, "window_shares": [19.7, 19.9]},
+    }
     result: dict[str, Any] = tl.report(nvml, kernel, runs, limit_update)
     return result
 
@@ -301,15 +334,19 @@ def test_the_json_leads_with_the_figures_asked_for_and_its_table_shows_them(tl: 
 
 
 def _gpu_here() -> bool:
-    probe = ("import sys; sys.path.insert(0, 'bench'); import gpu_quota as g; n = g.read_nvml(0); "
-             "print(not isinstance(n, str) and g.torch_missing() is None)")
+    probe = (
+        "import sys; sys.path.insert(0, 'bench'); import gpu_quota as g; n = g.read_nvml(0); "
+        "print(not isinstance(n, str) and g.torch_missing() is None)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     return out.stdout.strip() == "True"
 
 
 def test_the_modules_import_without_torch_or_nvml() -> None:
-    code = ("import sys; sys.path.insert(0, 'bench'); import gpu_quota, gpu_timeline, gpu_workers; "
-            "print(sorted(m for m in ('torch', 'pynvml') if m in sys.modules))")
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); import gpu_quota, gpu_timeline, gpu_workers; "
+        "print(sorted(m for m in ('torch', 'pynvml') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -318,14 +355,16 @@ def test_the_modules_import_without_torch_or_nvml() -> None:
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0_with_the_empty_json(tl: ModuleType) -> None:
     if _gpu_here():
         pytest.skip("this machine has a GPU and PyTorch with CUDA: the no-GPU path cannot be shown here")
-    out = subprocess.run([sys.executable, str(BENCH / "gpu_quota.py"), "--json"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_quota.py"), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and "no GPU" in lines[0], out.stdout
     assert json.loads(lines[-1]) == {"gpu": None, "scenarios": [], "limit_update_ms": None, "nvml": None}
     assert json.loads(lines[-1]) == tl.NO_GPU
     assert "Traceback" not in out.stderr
-    plain = subprocess.run([sys.executable, str(BENCH / "gpu_quota.py")], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+    plain = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_quota.py")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert plain.returncode == 0 and plain.stdout.splitlines() == lines[:1]

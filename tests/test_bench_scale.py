@@ -108,11 +108,13 @@ def test_floors_queue_a_request_and_grant_it_on_release(floor: ModuleType, main:
 
 
 def test_slow_turns_are_read_from_the_daemons_log(scale: ModuleType) -> None:
-    log = "\n".join([
-        '{"event":"ready","level":"info"}',
-        '{"turn_ms":2.5,"cpu_ms":2.4,"gc_ms":0.0,"threshold_ms":1.0,"event":"loop_turn_slow","level":"warning"}',
-        '{"turn_ms":1.5,"cpu_ms":1.2,"gc_ms":0.3,"threshold_ms":1.0,"event":"loop_turn_slow","level":"warning"}',
-        '{"turn_ms": broken "loop_turn_slow"',
-    ])
+    log = "\n".join(
+        [
+            '{"event":"ready","level":"info"}',
+            '{"turn_ms":2.5,"cpu_ms":2.4,"gc_ms":0.0,"threshold_ms":1.0,"event":"loop_turn_slow","level":"warning"}',
+            '{"turn_ms":1.5,"cpu_ms":1.2,"gc_ms":0.3,"threshold_ms":1.0,"event":"loop_turn_slow","level":"warning"}',
+            '{"turn_ms": broken "loop_turn_slow"',
+        ]
+    )
     assert scale.slow_turns(log) == [(2.5, 2.4, 0.0), (1.5, 1.2, 0.3)]
     assert scale.slow_turns("") == []

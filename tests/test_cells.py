@@ -19,11 +19,13 @@ def test_a_histogram_cell_scrapes_as_prometheus_clients_histogram() -> None:
         reference.labels(0).observe(value)
     for suffix in ("_count", "_sum"):
         assert ours.get_sample_value(f"gpud_x_seconds{suffix}", {"gpu": "0"}) == pytest.approx(
-            theirs.get_sample_value(f"gpud_x_seconds{suffix}", {"gpu": "0"}))
+            theirs.get_sample_value(f"gpud_x_seconds{suffix}", {"gpu": "0"})
+        )
     for le in ("0.001", "0.01", "0.1", "+Inf"):
         sample = {"gpu": "0", "le": le}
         assert ours.get_sample_value("gpud_x_seconds_bucket", sample) == theirs.get_sample_value(
-            "gpud_x_seconds_bucket", sample), le
+            "gpud_x_seconds_bucket", sample
+        ), le
     assert ours.get_sample_value("gpud_x_seconds_bucket", {"gpu": "0", "le": "0.001"}) == 2
 
 

@@ -74,13 +74,17 @@ def test_the_daemon_refuses_to_start_on_a_bad_value(tmp_path: Path) -> None:
     path = write(tmp_path, "drop_tail_billing_percent = 150\n")
     out = subprocess.run(
         [sys.executable, "-m", "gpud.main", "--config", path, "--socket", "/tmp/gpud-never/s"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2
     assert "$.drop_tail_billing_percent" in out.stderr and "<= 100" in out.stderr
     out = subprocess.run(
         [sys.executable, "-m", "gpud.main", "--window", "0", "--socket", "/tmp/gpud-never/s"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2 and "bad value for --window" in out.stderr
 
@@ -96,7 +100,11 @@ def test_a_reload_takes_only_the_settings_whose_loaded_value_changed() -> None:
     again = replace(loaded, drop_timeout_us=5_000_000, quota=replace(loaded.quota, carryover_percent=50))
     kept = take_changes(running, loaded, again)
     assert (kept.tq_us, kept.mode, kept.drop_timeout_us, kept.quota.carryover_percent) == (
-        7_000_000, Mode.SERIAL, 5_000_000, 50)
+        7_000_000,
+        Mode.SERIAL,
+        5_000_000,
+        50,
+    )
     # The file changed the TQ: its new value wins; the mode stays.
     newer = replace(again, tq_us=12_000_000)
     taken = take_changes(kept, again, newer)

@@ -236,7 +236,9 @@ async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
     for i, pid in enumerate(dead):
         assert isinstance(await peer.call(p.Allocate(id=0, task_id=f"t{i}", gpus=0.25, owner_pid=pid)), p.Allocated)
     real_alive = gpud.capabilities.allocations._alive
-    monkeypatch.setattr(gpud.capabilities.allocations, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0)
+    monkeypatch.setattr(
+        gpud.capabilities.allocations, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0
+    )
     node.daemon.allocations.reap(now_us())
     assert node.faults("reaper") == 1
     assert [a.task_id for a in node.daemon.allocations.ledger.allocations()] == ["t0"]
@@ -298,7 +300,9 @@ async def test_a_sessions_series_go_at_once_with_the_session(node: Node) -> None
 
     def series(session: int) -> int:
         return sum(
-            1 for family in node.registry.collect() for sample in family.samples
+            1
+            for family in node.registry.collect()
+            for sample in family.samples
             if sample.labels.get("session") == str(session)
         )
 

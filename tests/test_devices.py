@@ -67,7 +67,9 @@ def test_simulate_overrides_nvml_and_uuids_are_stable() -> None:
 def test_the_daemon_refuses_a_bad_simulate_value() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "gpud.main", "--socket", "/tmp/gpud-never/s", "--simulate", "0x8GiB"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2
     assert "bad --simulate value '0x8GiB'" in out.stderr

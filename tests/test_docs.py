@@ -145,14 +145,17 @@ def test_every_quoted_example_is_quoted_as_it_is() -> None:
         assert block.text == quoted_text(example), f"{block} is not {block.quotes} as it is"
 
 
-@pytest.mark.parametrize(("page", "example"), [
-    ("README.md", "examples/training_session.py"),
-    ("README.md", "examples/inference_lease.py"),
-    ("README.md", "examples/alloc_recipe.sh"),
-    ("docs/client.md", "examples/training_session.py"),
-    ("docs/leases.md", "examples/inference_lease.py"),
-    ("docs/allocations.md", "examples/alloc_recipe.sh"),
-])
+@pytest.mark.parametrize(
+    ("page", "example"),
+    [
+        ("README.md", "examples/training_session.py"),
+        ("README.md", "examples/inference_lease.py"),
+        ("README.md", "examples/alloc_recipe.sh"),
+        ("docs/client.md", "examples/training_session.py"),
+        ("docs/leases.md", "examples/inference_lease.py"),
+        ("docs/allocations.md", "examples/alloc_recipe.sh"),
+    ],
+)
 def test_each_way_of_use_quotes_its_example(page: str, example: str) -> None:
     assert any(b.quotes == example for b in split(ROOT / page)[0]), f"{page} does not quote {example}"
 
@@ -204,9 +207,11 @@ def test_every_snippet_parses() -> None:
 
 def test_a_fragment_is_parsed_as_far_as_it_can_be(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("<!-- fragment -->\n```python\n    return gpu.lease(\n        'gpu:0')\n```\n"
-                    "<!-- fragment -->\n```toml\npriority = 90\n[policies.ASR]\n```\n"
-                    "<!-- fragment -->\n```python\nx = f(\n```\n")
+    page.write_text(
+        "<!-- fragment -->\n```python\n    return gpu.lease(\n        'gpu:0')\n```\n"
+        "<!-- fragment -->\n```toml\npriority = 90\n[policies.ASR]\n```\n"
+        "<!-- fragment -->\n```python\nx = f(\n```\n"
+    )
     complete, toml, unclosed = split(page)[0]
     assert (complete.mark, toml.mark) == ("fragment", "fragment")
     with pytest.raises(SyntaxError):
@@ -222,8 +227,13 @@ def test_the_readme_is_a_landing_page() -> None:
 
 
 def run_example(name: str, socket: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "GPUD_SOCKET": socket})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GPUD_SOCKET": socket},
+    )
 
 
 def test_the_training_session_example_runs(daemon: object) -> None:
@@ -239,12 +249,17 @@ def test_the_inference_lease_example_runs(daemon: object) -> None:
     out = run_example("inference_lease.py", daemon.socket)  # type: ignore[attr-defined]
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "[de] Good morning", "[de] Where is the station", "[de] The train to the airport leaves from platform four",
+        "[de] Good morning",
+        "[de] Where is the station",
+        "[de] The train to the airport leaves from platform four",
         "handled 3 utterances",
     ]
     daemon.stop()  # type: ignore[attr-defined]  # so every line is written
     lines = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]  # type: ignore[attr-defined]
     leases = [(r["utterance_index"], r["stage"], r["task_type"], r["status"]) for r in lines if r["event"] == "lease"]
-    assert leases == [(i, stage, task_type, "ACQUIRED") for i in range(3) for stage, task_type in (
-        ("asr", "ASR"), ("repair", "SEMANTIC_REPAIR"), ("nmt", "NMT"), ("tts", "TTS"))]
+    assert leases == [
+        (i, stage, task_type, "ACQUIRED")
+        for i in range(3)
+        for stage, task_type in (("asr", "ASR"), ("repair", "SEMANTIC_REPAIR"), ("nmt", "NMT"), ("tts", "TTS"))
+    ]
     assert [r["task_type"] for r in lines if r["event"] == "gpu_oom_reported"] == ["TTS"]

@@ -50,7 +50,9 @@ def test_an_error_round_trips_through_pickle_with_its_fields(exc: BaseException)
 def test_every_public_error_class_has_an_example() -> None:
     """A new error class is caught here until it is shown to pickle."""
     public = {
-        obj for mod in (errors, protocol) for _, obj in inspect.getmembers(mod, inspect.isclass)
+        obj
+        for mod in (errors, protocol)
+        for _, obj in inspect.getmembers(mod, inspect.isclass)
         if issubclass(obj, Exception) and obj.__module__ == mod.__name__
     }
     assert public == {type(e) for e in EXAMPLES}

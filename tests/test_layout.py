@@ -20,8 +20,13 @@ from pathlib import Path
 GPUD = Path(__file__).resolve().parent.parent / "gpud"
 FOLDERS = {"core", "host", "serving", "capabilities", "tools"}
 # What may import gpud.serving.server: the entry point and the tasks that run the daemon.
-WIRING = {"gpud.main", "gpud.serving.listener", "gpud.serving.connections", "gpud.serving.timers",
-          "gpud.serving.monitor"}
+WIRING = {
+    "gpud.main",
+    "gpud.serving.listener",
+    "gpud.serving.connections",
+    "gpud.serving.timers",
+    "gpud.serving.monitor",
+}
 # What each folder may import of gpud, besides itself (gpud_client is open to all).
 MAY_IMPORT = {
     "core": set(),
@@ -73,7 +78,7 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)) is not None:
                 return found
         state[node] = 2
@@ -114,20 +119,32 @@ def test_each_folder_imports_only_what_its_role_allows() -> None:
 
 
 def test_only_the_daemon_wires_the_capabilities() -> None:
-    wrong = [f"{name} imports {dep}" for name, deps in graph().items() if folder(name) == "serving"
-             for dep in deps if folder(dep) == "capabilities" and name != "gpud.serving.server"]
+    wrong = [
+        f"{name} imports {dep}"
+        for name, deps in graph().items()
+        if folder(name) == "serving"
+        for dep in deps
+        if folder(dep) == "capabilities" and name != "gpud.serving.server"
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_capability_imports_another() -> None:
-    wrong = [f"{name} imports {dep}" for name, deps in graph().items() if folder(name) == "capabilities"
-             for dep in deps if folder(dep) == "capabilities" and dep != "gpud.capabilities"]
+    wrong = [
+        f"{name} imports {dep}"
+        for name, deps in graph().items()
+        if folder(name) == "capabilities"
+        for dep in deps
+        if folder(dep) == "capabilities" and dep != "gpud.capabilities"
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_only_the_entry_points_import_the_server() -> None:
     importers = {name for name, deps in graph().items() if "gpud.serving.server" in deps}
-    assert importers <= WIRING, f"{sorted(importers - WIRING)} import gpud.serving.server: give them the pieces they need"
+    assert importers <= WIRING, (
+        f"{sorted(importers - WIRING)} import gpud.serving.server: give them the pieces they need"
+    )
 
 
 def test_the_tools_are_clients_of_the_daemon() -> None:
@@ -138,8 +155,10 @@ def test_the_tools_are_clients_of_the_daemon() -> None:
 
 def test_the_checks_see_imports_of_every_form(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
-    src.write_text("import gpud.host.store\nfrom gpud.serving import links\nfrom gpud.core.errors import Refused\n"
-                   "def f():\n    from gpud.tools.spawn import DaemonProcess\n")
+    src.write_text(
+        "import gpud.host.store\nfrom gpud.serving import links\nfrom gpud.core.errors import Refused\n"
+        "def f():\n    from gpud.tools.spawn import DaemonProcess\n"
+    )
     known = {"gpud.host.store", "gpud.serving.links", "gpud.serving", "gpud.core.errors", "gpud.tools.spawn"}
     assert imports_of(src, known) == known
 

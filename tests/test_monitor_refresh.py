@@ -55,8 +55,13 @@ def attach(d: Daemon, conn: ClientLink, gpu: int, **limits: Any) -> int:
 def values(d: Daemon) -> dict[str, dict[str, float]]:
     """Every per-session sample: session -> {metric name: value}."""
     out: dict[str, dict[str, float]] = {}
-    for family in d.metrics.node.session_core_limit, d.metrics.node.session_window_used, \
-            d.metrics.node.session_throttled, d.metrics.node.session_memory, d.metrics.node.session_memory_limit:
+    for family in (
+        d.metrics.node.session_core_limit,
+        d.metrics.node.session_window_used,
+        d.metrics.node.session_throttled,
+        d.metrics.node.session_memory,
+        d.metrics.node.session_memory_limit,
+    ):
         for metric in family.collect():
             for s in metric.samples:
                 out.setdefault(s.labels["session"], {})[s.name] = s.value
@@ -65,8 +70,12 @@ def values(d: Daemon) -> dict[str, dict[str, float]]:
 
 def expected(d: Daemon, sid: int, gpu: int) -> dict[str, float]:
     v = d.slots[gpu].scheduler.session(sid, d.now())
-    want = {"gpud_session_core_limit_ratio": v.core_limit / 100, "gpud_session_window_used_seconds": v.used_us / 1e6,
-            "gpud_session_throttled": 1.0 if v.throttled else 0.0, "gpud_session_memory_bytes": float(v.mem_used or 0)}
+    want = {
+        "gpud_session_core_limit_ratio": v.core_limit / 100,
+        "gpud_session_window_used_seconds": v.used_us / 1e6,
+        "gpud_session_throttled": 1.0 if v.throttled else 0.0,
+        "gpud_session_memory_bytes": float(v.mem_used or 0),
+    }
     if v.mem_limit is not None:
         want["gpud_session_memory_limit_bytes"] = float(v.mem_limit)
     return want
@@ -92,8 +101,11 @@ def test_a_refresh_goes_in_bounded_steps_and_the_gauges_come_out_right(
     d = daemon
     with structlog.testing.capture_logs():
         conns = [client(d, 1000 + i, f"c{i}") for i in range(10)]
-        sessions = {(c.client_id, attach(d, c, i % 2, **({"mem_limit": 2**30} if i < 2 else {}))): (c, i % 2)
-                    for c in conns for i in range(PER_CONNECTION)}
+        sessions = {
+            (c.client_id, attach(d, c, i % 2, **({"mem_limit": 2**30} if i < 2 else {}))): (c, i % 2)
+            for c in conns
+            for i in range(PER_CONNECTION)
+        }
         d.handle(conns[0], p.Acquire(id=2, gpu=1, task_type="ASR"))
         assert any(d.leases.owns(sid) for sid in conns[0].sessions)  # a lease: no per-session gauges
     ghost = ("0", "999999", "ghost", "1")  # the series of a session gone without them

@@ -75,7 +75,7 @@ def test_a_damaged_database_says_what_to_do(tmp_path: Path) -> None:
     store.close()
     path = tmp_path / "allocations.sqlite3"
     data = bytearray(path.read_bytes())
-    data[(root - 1) * size: (root - 1) * size + 64] = b"\x42" * 64  # scribble over the table's root page
+    data[(root - 1) * size : (root - 1) * size + 64] = b"\x42" * 64  # scribble over the table's root page
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="(damaged|not a readable gpud store).*move it away"):
         Store(str(tmp_path))
@@ -86,7 +86,9 @@ def test_a_store_of_a_newer_gpud_is_refused_with_the_versions(tmp_path: Path) ->
     db = sqlite3.connect(tmp_path / "allocations.sqlite3", isolation_level=None)
     db.execute("UPDATE meta SET value = '7' WHERE key = 'schema'")
     db.close()
-    with pytest.raises(StoreError, match="newer gpud \\(store schema 7; this gpud reads schema 1 and older\\): upgrade"):
+    with pytest.raises(
+        StoreError, match="newer gpud \\(store schema 7; this gpud reads schema 1 and older\\): upgrade"
+    ):
         Store(str(tmp_path))
 
 

@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_mypy_strict_on_the_daemon_and_client() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr

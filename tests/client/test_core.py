@@ -115,8 +115,15 @@ def new_session(
 ) -> SessionState:
     """A session as a driver builds it; the hooks are only there for the core to see they are set."""
     return SessionState(
-        gpu, priority=priority, idle_release=idle_release, core_limit=100, mem_limit=mem_limit, mem_estimate=None,
-        memory_probe=None, framework_hooks=framework_hooks, on_drop=_on_drop if on_drop else None,
+        gpu,
+        priority=priority,
+        idle_release=idle_release,
+        core_limit=100,
+        mem_limit=mem_limit,
+        mem_estimate=None,
+        memory_probe=None,
+        framework_hooks=framework_hooks,
+        on_drop=_on_drop if on_drop else None,
         synchronize=_synchronize if synchronize else None,
     )
 
@@ -131,9 +138,7 @@ class Script:
         proceed_unarbitrated: bool = False,
         max_frame_bytes: int = p.MAX_FRAME_BYTES,
     ) -> None:
-        self.core = ClientCore(
-            PATH, unavailable_timeout=unavailable_timeout, proceed_unarbitrated=proceed_unarbitrated
-        )
+        self.core = ClientCore(PATH, unavailable_timeout=unavailable_timeout, proceed_unarbitrated=proceed_unarbitrated)
         self.now = 0.0
         self.sent: list[Any] = []  # since the last take()
         self.history: list[Any] = []  # all of it, HELLO included
@@ -167,7 +172,10 @@ class Script:
         self.client_id += 1
         hello = self.record(self.core.hello("test", {}))
         welcome = p.Welcome(
-            id=hello.id, client_id=self.client_id, version=p.PROTOCOL_VERSION, gpus=GPUS,
+            id=hello.id,
+            client_id=self.client_id,
+            version=p.PROTOCOL_VERSION,
+            gpus=GPUS,
             max_frame_bytes=self.max_frame_bytes,
         )
         return self.do(self.core.welcomed(wire(welcome)))
@@ -183,8 +191,13 @@ class Script:
         if session is None:
             session, self.next_session = self.next_session, self.next_session + 1
         return p.Attached(
-            id=attach.id, session=session, gpu=attach.gpu if isinstance(attach.gpu, int) else 0, scheduler_on=True,
-            core_limit=attach.core_limit, mem_limit=attach.mem_limit, memory_total_bytes=16 * GiB,
+            id=attach.id,
+            session=session,
+            gpu=attach.gpu if isinstance(attach.gpu, int) else 0,
+            scheduler_on=True,
+            core_limit=attach.core_limit,
+            mem_limit=attach.mem_limit,
+            memory_total_bytes=16 * GiB,
         )
 
     def session(self, gpu: int | str = 0, **fields: Any) -> SessionState:
@@ -281,8 +294,11 @@ def test_an_answer_resolves_only_its_own_request() -> None:
 
 @pytest.mark.parametrize(
     ("code", "error"),
-    [(p.ErrorCode.INVALID, ProtocolError), (p.ErrorCode.UNKNOWN_GPU, ProtocolError),
-     (p.ErrorCode.PERMISSION_DENIED, PermissionDenied)],
+    [
+        (p.ErrorCode.INVALID, ProtocolError),
+        (p.ErrorCode.UNKNOWN_GPU, ProtocolError),
+        (p.ErrorCode.PERMISSION_DENIED, PermissionDenied),
+    ],
 )
 def test_finish_raises_the_daemons_error_with_its_code(code: p.ErrorCode, error: type[ProtocolError]) -> None:
     d = Script()
@@ -1072,9 +1088,22 @@ def test_reconnect_delay_never_exceeds_two_seconds(attempt: int) -> None:
 
 CORE_DIR = Path(gpud_client.__file__).parent / "core"
 FORBIDDEN = (
-    "socket", "threading", "asyncio", "time", "random", "logging", "selectors", "subprocess", "os", "signal",
-    "gpud_client.client", "gpud_client.aio", "gpud_client._sync_driver", "gpud_client._async_driver",
-    "gpud_client.connection", "gpud_client.frameworks",
+    "socket",
+    "threading",
+    "asyncio",
+    "time",
+    "random",
+    "logging",
+    "selectors",
+    "subprocess",
+    "os",
+    "signal",
+    "gpud_client.client",
+    "gpud_client.aio",
+    "gpud_client._sync_driver",
+    "gpud_client._async_driver",
+    "gpud_client.connection",
+    "gpud_client.frameworks",
 )
 
 
@@ -1127,9 +1156,14 @@ def test_the_import_check_finds_io_imports_anywhere_in_a_module(tmp_path: Path) 
     )
     found = io_imports(tmp_path, "gpud_client.core")
     assert found == [
-        "bad.py imports os.path", "bad.py imports time", "bad.py imports asyncio", "bad.py imports asyncio.sleep",
-        "bad.py imports gpud_client.client", "bad.py imports gpud_client._sync_driver",
-        "bad.py imports socket", "bad.py imports random",
+        "bad.py imports os.path",
+        "bad.py imports time",
+        "bad.py imports asyncio",
+        "bad.py imports asyncio.sleep",
+        "bad.py imports gpud_client.client",
+        "bad.py imports gpud_client._sync_driver",
+        "bad.py imports socket",
+        "bad.py imports random",
     ]
 
 
@@ -1203,10 +1237,17 @@ class World:
                     return
                 sid, self.next_sid = self.next_sid, self.next_sid + 1
                 self.owned.add(sid)
-                self.inflight.append(p.Attached(
-                    id=rid, session=sid, gpu=0, scheduler_on=True, core_limit=100, mem_limit=None,
-                    memory_total_bytes=16 * GiB,
-                ))
+                self.inflight.append(
+                    p.Attached(
+                        id=rid,
+                        session=sid,
+                        gpu=0,
+                        scheduler_on=True,
+                        core_limit=100,
+                        mem_limit=None,
+                        memory_total_bytes=16 * GiB,
+                    )
+                )
             case p.Detach(id=rid, session=sid):
                 assert sid in self.owned, f"DETACH of session {sid}, not attached on this connection"
                 self.owned.discard(sid)
@@ -1265,10 +1306,14 @@ class World:
             sid = rng.choice(sorted(self.issued))
             if old := [g for g in self.issued[sid] if g != self.holder.get(sid)]:
                 g = rng.choice(old)
-                self.inflight.append(rng.choice([
-                    p.DropLock(session=sid, grant=g, reason=p.DropReason.QUOTA),
-                    p.Revoked(session=sid, grant=g, reason=p.RevokeReason.DROP_TIMEOUT),
-                ]))
+                self.inflight.append(
+                    rng.choice(
+                        [
+                            p.DropLock(session=sid, grant=g, reason=p.DropReason.QUOTA),
+                            p.Revoked(session=sid, grant=g, reason=p.RevokeReason.DROP_TIMEOUT),
+                        ]
+                    )
+                )
         elif self.acquires and r < 0.95:
             rid = self.acquires.pop(0)
             if rng.random() < 0.7:
@@ -1478,7 +1523,9 @@ class World:
     def open_session(self) -> None:
         rng = self.rng
         s = new_session(
-            idle_release=rng.choice([None, 0.5, 2.0]), on_drop=rng.random() < 0.5, synchronize=rng.random() < 0.5,
+            idle_release=rng.choice([None, 0.5, 2.0]),
+            on_drop=rng.random() < 0.5,
+            synchronize=rng.random() < 0.5,
             framework_hooks=rng.random() < 0.5,
         )
         send = self.core.attach(s, w := Waiter("attach"))

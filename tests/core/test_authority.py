@@ -253,8 +253,14 @@ def test_terms_below_the_policy_are_kept() -> None:
 
 def test_the_node_defaults_bound_a_policy_without_its_own() -> None:
     def bare(queue_limit: int | None = None, hold_max_ms: int | None = None) -> tuple[int, int]:
-        t = resolve_terms("BARE", POLICIES, queue_limit=queue_limit, hold_max_ms=hold_max_ms,
-                          default_queue_limit=5, default_hold_max_ms=3000)
+        t = resolve_terms(
+            "BARE",
+            POLICIES,
+            queue_limit=queue_limit,
+            hold_max_ms=hold_max_ms,
+            default_queue_limit=5,
+            default_hold_max_ms=3000,
+        )
         return t.queue_limit, t.hold_max_ms
 
     assert bare(50, 10_000) == (5, 3000)

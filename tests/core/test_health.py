@@ -193,8 +193,12 @@ def test_random_hangs_and_errors_keep_the_rules() -> None:
                     case Probe(gpu=gpu):
                         assert gpu not in out, "a second probe while one is out"
                         kind = rnd.choice(["ok", "ok", "ok", "error", "slow", "hang"])
-                        took = {"ok": rnd.randrange(1, I // 10), "error": 50, "slow": rnd.randrange(I, 20 * I),
-                                "hang": 10**12}[kind]
+                        took = {
+                            "ok": rnd.randrange(1, I // 10),
+                            "error": 50,
+                            "slow": rnd.randrange(I, 20 * I),
+                            "hang": 10**12,
+                        }[kind]
                         out[gpu] = now + took
                         outcome[gpu] = "Unknown Error" if kind == "error" else None
                         if took > 3 * I // 2:

@@ -21,10 +21,22 @@ def gpu(mode: Mode = Mode.SERIAL, force: bool = False) -> GpuScheduler:
     )
 
 
-def lease(s: GpuScheduler, sid: int, now: int, *, prio: int = 50, wait: int = 3000, hold: int = 8000,
-          limit: int = 8, mem: int | None = None) -> list[object]:
-    return list(s.acquire_lease(sid, now, priority=prio, max_wait_us=wait * MS, hold_max_us=hold * MS,
-                                queue_limit=limit, mem_estimate=mem))
+def lease(
+    s: GpuScheduler,
+    sid: int,
+    now: int,
+    *,
+    prio: int = 50,
+    wait: int = 3000,
+    hold: int = 8000,
+    limit: int = 8,
+    mem: int | None = None,
+) -> list[object]:
+    return list(
+        s.acquire_lease(
+            sid, now, priority=prio, max_wait_us=wait * MS, hold_max_us=hold * MS, queue_limit=limit, mem_estimate=mem
+        )
+    )
 
 
 def test_acquire_on_a_free_gpu_and_release() -> None:
@@ -155,8 +167,14 @@ def test_withdrawing_a_waiting_lease() -> None:
 
 @pytest.mark.parametrize(
     ("task", "prio", "policy", "wait"),
-    [("ASR", 90, "WAIT", 3000), ("NMT", 80, "WAIT", 3000), ("TTS", 70, "WAIT", 2000),
-     ("SEMANTIC_REPAIR", 20, "SKIP", 400), ("OTHER", 50, "WAIT", 3000), ("VAD", 50, "WAIT", 3000)],
+    [
+        ("ASR", 90, "WAIT", 3000),
+        ("NMT", 80, "WAIT", 3000),
+        ("TTS", 70, "WAIT", 2000),
+        ("SEMANTIC_REPAIR", 20, "SKIP", 400),
+        ("OTHER", 50, "WAIT", 3000),
+        ("VAD", 50, "WAIT", 3000),
+    ],
 )
 def test_task_type_defaults(task: str, prio: int, policy: str, wait: int) -> None:
     t = resolve_terms(task, DEFAULT_POLICIES)
@@ -171,8 +189,11 @@ def test_request_fields_override_the_policy() -> None:
 
 @pytest.mark.parametrize(
     ("policy", "status"),
-    [(BusyPolicy.WAIT, LeaseStatus.SKIPPED), (BusyPolicy.SKIP, LeaseStatus.SKIPPED),
-     (BusyPolicy.FALLBACK_CPU, LeaseStatus.FALLBACK_CPU)],
+    [
+        (BusyPolicy.WAIT, LeaseStatus.SKIPPED),
+        (BusyPolicy.SKIP, LeaseStatus.SKIPPED),
+        (BusyPolicy.FALLBACK_CPU, LeaseStatus.FALLBACK_CPU),
+    ],
 )
 def test_each_busy_policy_answers(policy: BusyPolicy, status: LeaseStatus) -> None:
     assert refusal_status(policy) == status

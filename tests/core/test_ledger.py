@@ -109,8 +109,10 @@ def test_where_and_how_long_are_not_terms_a_repeat_must_match() -> None:
         ({"priority": 90}, "holds 1 GPU, 4 CPU cores and priority 50; this request asks for priority 90"),
         ({"owner_pid": 7}, "holds 1 GPU, 4 CPU cores and owner pid 42; this request asks for owner pid 7"),
         ({"owner_pid": None}, "this request asks for no owner pid ("),
-        ({"gpus": 2 * UNIT, "priority": 90, "owner_pid": 7},
-         "holds 1 GPU, 4 CPU cores, priority 50 and owner pid 42; this request asks for 2 GPUs, priority 90 and owner pid 7"),
+        (
+            {"gpus": 2 * UNIT, "priority": 90, "owner_pid": 7},
+            "holds 1 GPU, 4 CPU cores, priority 50 and owner pid 42; this request asks for 2 GPUs, priority 90 and owner pid 7",
+        ),
     ],
 )
 def test_a_repeat_with_other_terms_is_refused_naming_each_difference(changes: dict[str, object], needle: str) -> None:
@@ -128,7 +130,9 @@ def test_a_repeat_with_other_terms_is_refused_naming_each_difference(changes: di
 def test_the_issues_example_reads_as_written() -> None:
     led = node()
     led.allocate(req("etl-1", 1, cpus=4), 0)
-    with pytest.raises(Refused, match=r"^task 'etl-1' already holds 1 GPU and 4 CPU cores; this request asks for 2 GPUs \("):
+    with pytest.raises(
+        Refused, match=r"^task 'etl-1' already holds 1 GPU and 4 CPU cores; this request asks for 2 GPUs \("
+    ):
         led.allocate(req("etl-1", 2, cpus=4), 1)
 
 
@@ -137,7 +141,9 @@ def test_a_second_request_for_a_waiting_task_id_is_refused_and_the_first_waits_o
     led.allocate(req("running", 1), 0)
     assert led.allocate(req("w", 1, cpus=1, wait_us=100 * MS), 0) is None
     before = state_of(led)
-    with pytest.raises(Refused, match="task 'w' already waits for 1 GPU and 1 CPU core; this request asks for 0.5 of a GPU"):
+    with pytest.raises(
+        Refused, match="task 'w' already waits for 1 GPU and 1 CPU core; this request asks for 0.5 of a GPU"
+    ):
         led.allocate(req("w", 0.5, cpus=1, wait_us=100 * MS), 1)
     assert state_of(led) == before
     with pytest.raises(Refused, match="task 'w' already waits for this allocation: one request per task id waits"):
@@ -259,8 +265,18 @@ def test_a_waiter_expires_at_its_deadline_with_the_reason() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 11), st.sampled_from([1, 2500, 3333, 5000, 10000, 20000]),
-                          st.integers(0, 3), st.sampled_from(list(Strategy))), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.integers(0, 11),
+            st.sampled_from([1, 2500, 3333, 5000, 10000, 20000]),
+            st.integers(0, 3),
+            st.sampled_from(list(Strategy)),
+        ),
+        max_size=60,
+    )
+)
 def test_random_sequences_never_over_allocate(steps: list[tuple[bool, int, int, int, Strategy]]) -> None:
     led = node(gpus=3, cpus=6)
     for allocate, t, gpus, cpus, strategy in steps:
@@ -310,8 +326,11 @@ def test_fractions_on_a_gpu_are_the_partial_allocations_there() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([0.25, 0.5, 1, 2]), st.booleans()), max_size=12),
-       st.sampled_from("abcdef"), st.sampled_from(["release", "allocate", "advance"]))
+@given(
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([0.25, 0.5, 1, 2]), st.booleans()), max_size=12),
+    st.sampled_from("abcdef"),
+    st.sampled_from(["release", "allocate", "advance"]),
+)
 def test_rollback_restores_exactly_the_checkpointed_state(
     ops: list[tuple[str, float, bool]], task: str, change: str
 ) -> None:

@@ -53,13 +53,19 @@ def test_asking_again_for_a_task_id_with_other_terms_is_refused(node: Node) -> N
     assert msgspec.structs.replace(again, id=0) == msgspec.structs.replace(first, id=0)  # a retry: the same answer
     before = listing(c)
     err = c.call(p.Allocate(id=0, task_id="etl-1", gpus=2.0, cpus=1))
-    assert (err.code, err.message) == (p.ErrorCode.INVALID, "task 'etl-1' already holds 1 GPU and 1 CPU core; "
-                                       "this request asks for 2 GPUs (ask with the same terms, or free the task first)")
-    err = c.call(p.Allocate(id=0, task_id="etl-1", gpus=1.0, cpus=1, priority_class=p.PriorityClass.HIGH,
-                            owner_pid=os.getpid()))
     assert (err.code, err.message) == (
-        p.ErrorCode.INVALID, "task 'etl-1' already holds 1 GPU, 1 CPU core, priority 50 and no owner pid; this request "
-        f"asks for priority 75 and owner pid {os.getpid()} (ask with the same terms, or free the task first)")
+        p.ErrorCode.INVALID,
+        "task 'etl-1' already holds 1 GPU and 1 CPU core; "
+        "this request asks for 2 GPUs (ask with the same terms, or free the task first)",
+    )
+    err = c.call(
+        p.Allocate(id=0, task_id="etl-1", gpus=1.0, cpus=1, priority_class=p.PriorityClass.HIGH, owner_pid=os.getpid())
+    )
+    assert (err.code, err.message) == (
+        p.ErrorCode.INVALID,
+        "task 'etl-1' already holds 1 GPU, 1 CPU core, priority 50 and no owner pid; this request "
+        f"asks for priority 75 and owner pid {os.getpid()} (ask with the same terms, or free the task first)",
+    )
     assert listing(c) == before  # nothing changed
 
 
@@ -67,12 +73,16 @@ def test_waiters_are_served_in_priority_order(node: Node) -> None:
     c, low, high = node.connect("c"), node.connect("low"), node.connect("high")
     c.call(p.Allocate(id=0, task_id="a", gpus=1.0))
     c.call(p.Allocate(id=0, task_id="b", gpus=1.0))
-    assert low.call(p.Allocate(id=0, task_id="low", gpus=1.0, priority_class=p.PriorityClass.BEST_EFFORT,
-                                 wait_ms=5000)) is None
+    assert (
+        low.call(p.Allocate(id=0, task_id="low", gpus=1.0, priority_class=p.PriorityClass.BEST_EFFORT, wait_ms=5000))
+        is None
+    )
     assert listing(c).waiting == ["low"]  # it came first
     node.advance_s(0.1)
-    assert high.call(p.Allocate(id=0, task_id="high", gpus=1.0, priority_class=p.PriorityClass.PRODUCTION,
-                                  wait_ms=5000)) is None
+    assert (
+        high.call(p.Allocate(id=0, task_id="high", gpus=1.0, priority_class=p.PriorityClass.PRODUCTION, wait_ms=5000))
+        is None
+    )
     assert listing(c).waiting == ["high", "low"]
     node.advance_s(0.25)
     assert isinstance(c.call(p.Free(id=0, task_id="a")), p.Ok)
@@ -161,8 +171,11 @@ def test_a_session_cannot_lift_its_own_allocations_ceiling_even_as_root(node: No
     ("fields", "code", "message"),
     [
         ({"gpus": 3.0}, p.ErrorCode.INVALID, "3 GPUs asked, this node has 2"),
-        ({"cpus": 100_000}, p.ErrorCode.INVALID,
-         f"100000 CPU cores asked, this node has {len(os.sched_getaffinity(0))}"),
+        (
+            {"cpus": 100_000},
+            p.ErrorCode.INVALID,
+            f"100000 CPU cores asked, this node has {len(os.sched_getaffinity(0))}",
+        ),
         ({"prefer": [5]}, p.ErrorCode.UNKNOWN_GPU, "unknown GPU 5 (this node has GPUs 0, 1) in prefer"),
         ({"tenant": "acme"}, p.ErrorCode.UNKNOWN_TENANT, "unknown tenant 'acme' (tenants: none configured)"),
     ],
@@ -189,8 +202,13 @@ def test_unknown_strategy_is_refused_on_the_wire(node: Node) -> None:
 
 
 def test_tenants_quota_and_freeing_another_tenants_task(nodes: Callable[..., Node]) -> None:
-    node = nodes("2", tenants={"vision": TenantConfig(gpus=1.0, borrow=0.0, uids=[0]),
-                               "speech": TenantConfig(gpus=1.0, uids=[NOBODY])})
+    node = nodes(
+        "2",
+        tenants={
+            "vision": TenantConfig(gpus=1.0, borrow=0.0, uids=[0]),
+            "speech": TenantConfig(gpus=1.0, uids=[NOBODY]),
+        },
+    )
     c = CoreClient(node, "root", uid=0, gid=0)
     c.request(p.Allocate(id=0, task_id="v1", gpus=1.0, tenant="vision"))
     with pytest.raises(ProtocolError, match="tenant 'vision' uses 1 of its 1 GPUs"):
@@ -216,6 +234,7 @@ def test_allocation_requests_are_counted_by_outcome(nodes: Callable[..., Node]) 
     assert listing(c).waiting == ["c"]
     c.call(p.Free(id=0, task_id="a"))
     assert [m.task_id for m in waiter.received()] == ["c"]
-    results = {r: node.sample("gpud_allocation_requests_total", {"result": r})
-               for r in ("granted", "repeated", "insufficient")}
+    results = {
+        r: node.sample("gpud_allocation_requests_total", {"result": r}) for r in ("granted", "repeated", "insufficient")
+    }
     assert results == {"granted": 2, "repeated": 1, "insufficient": 1}

@@ -86,8 +86,13 @@ def test_an_admins_limit_is_a_ceiling_the_client_cannot_lift(nodes: Nodes) -> No
         "mem 1GiB": outcome(capped, p.SetLimits(id=0, mem_limit=GIB)),
     }
     assert codes(tries) == {
-        "core 60": "permission_denied", "core 20": "ok", "core 30": "ok", "core 31": "permission_denied",
-        "mem lifted": "permission_denied", "mem 5GiB": "permission_denied", "mem 1GiB": "ok",
+        "core 60": "permission_denied",
+        "core 20": "ok",
+        "core 30": "ok",
+        "core 31": "permission_denied",
+        "mem lifted": "permission_denied",
+        "mem 5GiB": "permission_denied",
+        "mem 1GiB": "ok",
     }
     assert "ceiling of 30 %" in tries["core 60"][1]
     s = my_session(capped, "capped")
@@ -135,21 +140,26 @@ def test_a_fractional_allocation_limits_sessions_that_do_not_name_it(nodes: Node
 
 def test_priorities_above_the_callers_maximum_are_refused(nodes: Nodes) -> None:
     users = users_group()
-    node = nodes("2", priority_max=40, priority_max_uids={str(NOBODY): 60},
-                 priority_max_groups={users.gr_name: 70})
+    node = nodes("2", priority_max=40, priority_max_uids={str(NOBODY): 60}, priority_max_groups={users.gr_name: 70})
 
     def tries(peer: Peer, over: int, at: int) -> dict[str, list[str]]:
         return {
             "over": outcome(peer, p.Attach(id=0, gpu=0, priority=over)),
             "at": outcome(peer, p.Attach(id=0, gpu=0, priority=at)),
-            "production": outcome(peer, p.Allocate(id=0, task_id=f"{peer.conn.name}-1", gpus=0.1,
-                                                   priority_class=p.PriorityClass.PRODUCTION)),
-            "best-effort": outcome(peer, p.Allocate(id=0, task_id=f"{peer.conn.name}-2", gpus=0.1,
-                                                    priority_class=p.PriorityClass.BEST_EFFORT)),
+            "production": outcome(
+                peer,
+                p.Allocate(id=0, task_id=f"{peer.conn.name}-1", gpus=0.1, priority_class=p.PriorityClass.PRODUCTION),
+            ),
+            "best-effort": outcome(
+                peer,
+                p.Allocate(id=0, task_id=f"{peer.conn.name}-2", gpus=0.1, priority_class=p.PriorityClass.BEST_EFFORT),
+            ),
         }
 
     expected = {"over": "permission_denied", "at": "ok", "production": "permission_denied", "best-effort": "ok"}
-    cases: list[tuple[dict[str, Any], int]] = [  # (who, its maximum): the uid's setting wins over its groups, then the highest group, then the default
+    cases: list[
+        tuple[dict[str, Any], int]
+    ] = [  # (who, its maximum): the uid's setting wins over its groups, then the highest group, then the default
         (dict(uid=NOBODY, gid=NOBODY, groups=frozenset({users.gr_gid})), 60),
         (dict(uid=OTHER_UID, gid=OTHER_UID, groups=frozenset({users.gr_gid})), 70),
         (dict(uid=OTHER_UID, gid=OTHER_UID, groups=frozenset()), 40),
@@ -164,8 +174,10 @@ def test_priorities_above_the_callers_maximum_are_refused(nodes: Nodes) -> None:
 
     admin = root(node)
     assert admin.call(p.Attach(id=0, gpu=0, priority=100)).session
-    assert admin.call(p.Allocate(id=0, task_id="root-prod", gpus=0.1,
-                                 priority_class=p.PriorityClass.PRODUCTION)).priority == 100
+    assert (
+        admin.call(p.Allocate(id=0, task_id="root-prod", gpus=0.1, priority_class=p.PriorityClass.PRODUCTION)).priority
+        == 100
+    )
 
 
 def test_a_lease_asking_above_its_policy_gets_the_policys_priority(nodes: Nodes) -> None:

@@ -147,7 +147,7 @@ def sample_lines(node: Node) -> int:
 def pipelined(peer: Peer, msgs: Sequence[msgspec.Struct], answer: type) -> None:
     """Send in batches of 1000, then read each batch's answers in order."""
     for k in range(0, len(msgs), 1000):
-        batch = msgs[k:k + 1000]
+        batch = msgs[k : k + 1000]
         for m in batch:
             peer.send(m)
         got = peer.received()
@@ -166,8 +166,9 @@ def test_metric_series_stay_bounded(nodes: Nodes) -> None:
     assert node.sample("gpud_gpu_holders", {"gpu": "0"}) == 1
     before = sample_lines(node)
     with capture_logs():  # 40 000 log lines, kept rather than rendered
-        pipelined(c, [p.Acquire(id=10 + i, gpu=0, task_type=f"T{i}", max_wait_ms=0) for i in range(20_000)],
-                  p.LeaseResult)
+        pipelined(
+            c, [p.Acquire(id=10 + i, gpu=0, task_type=f"T{i}", max_wait_ms=0) for i in range(20_000)], p.LeaseResult
+        )
         pipelined(c, [p.ReportOom(id=30_010 + i, gpu=0, task_type=f"T{i}") for i in range(20_000)], p.Ok)
     node.publish()
     assert sample_lines(node) - before <= 3
@@ -178,8 +179,13 @@ def test_metric_series_stay_bounded(nodes: Nodes) -> None:
     s = node.connect("gauged")
     sid = attach(s, 1)
     s.call(p.SetLimits(id=0, session=sid, mem_limit=2**30))
-    gauges = ["gpud_session_core_limit_ratio", "gpud_session_window_used_seconds", "gpud_session_throttled",
-              "gpud_session_memory_bytes", "gpud_session_memory_limit_bytes"]
+    gauges = [
+        "gpud_session_core_limit_ratio",
+        "gpud_session_window_used_seconds",
+        "gpud_session_throttled",
+        "gpud_session_memory_bytes",
+        "gpud_session_memory_limit_bytes",
+    ]
 
     def session_sample(name: str) -> float | None:
         return series(node, name, session=str(sid))

@@ -84,6 +84,7 @@ class Worker:
                 self.record(f"error {role} " + repr(traceback.format_exc()))
             finally:
                 self.record(f"ended {role}")
+
         return run
 
     def slow(self, role: str, op: str, took: float, allowed: float) -> None:
@@ -257,8 +258,10 @@ def main() -> None:
             "alloc": worker.alloc_loop,
             "watch": lambda: worker.watch_reconnects(sessions),
         }
-        threads = {role: threading.Thread(target=worker.guarded(role, loop), name=role, daemon=True)
-                   for role, loop in loops.items()}
+        threads = {
+            role: threading.Thread(target=worker.guarded(role, loop), name=role, daemon=True)
+            for role, loop in loops.items()
+        }
         record(f"ready {' '.join(f'{s.gpu}:{s.id}' for s in sessions)}")
         for t in threads.values():
             t.start()

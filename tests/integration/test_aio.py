@@ -65,6 +65,7 @@ def test_a_drop_between_slices_is_answered_at_once(
         async with await AsyncClient.connect(d.socket) as c:
             s = await c.session(0, idle_release=None)
             if hooks != "none":
+
                 async def on_drop(reason: DropReason) -> None:
                     await asyncio.sleep(0.01)  # a hook that takes a while: the drop is answered after it
                     await s.release()

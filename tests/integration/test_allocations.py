@@ -23,7 +23,10 @@ from gpud_client import AsyncClient, Client, ProtocolError
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
@@ -79,8 +82,13 @@ def test_gpuctl_alloc_json_carries_the_same_environment(daemon: DaemonProcess) -
     out = gpuctl(daemon, "alloc", "--task", "etl-43", "--gpus", "0.5", "--cpus", "1", "--json")
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
-    assert answer["env"] == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUD_TASK_ID": "etl-43",
-                             "GPUD_GPU_SHARE": "0.5", "GPUD_CPUS": str(answer["cpus"][0])}
+    assert answer["env"] == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPUD_TASK_ID": "etl-43",
+        "GPUD_GPU_SHARE": "0.5",
+        "GPUD_CPUS": str(answer["cpus"][0]),
+    }
 
 
 def test_bad_allocations_are_refused_by_gpuctl_and_change_nothing(daemon: DaemonProcess) -> None:
@@ -114,13 +122,18 @@ def test_the_docs_quote_the_recipe_as_it_is(page: str) -> None:
 
 def run_recipe(d: DaemonProcess, task: str, *command: str) -> subprocess.CompletedProcess[str]:
     """The recipe as written, with this venv's gpuctl first on the PATH and the daemon's socket."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "GPUD_SOCKET": d.socket}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "GPUD_SOCKET": d.socket,
+    }
     return subprocess.run(["bash", str(RECIPE), task, *command], capture_output=True, text=True, timeout=60, env=env)
 
 
-SHOW = ("import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'], "
-        "os.environ['GPUD_CPUS'], sorted(os.sched_getaffinity(0)))")
+SHOW = (
+    "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER'], "
+    "os.environ['GPUD_CPUS'], sorted(os.sched_getaffinity(0)))"
+)
 
 
 def test_the_recipe_runs_the_command_on_its_devices_and_frees_them(daemon: DaemonProcess) -> None:
@@ -155,5 +168,3 @@ def test_the_asyncio_client_allocates_too(daemon: DaemonProcess) -> None:
             assert (await c.allocations()).allocations == []
 
     asyncio.run(main())
-
-

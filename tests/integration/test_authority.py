@@ -132,7 +132,10 @@ def outcome(conn: Connection, msg: msgspec.Struct) -> list[str]:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
@@ -148,7 +151,6 @@ def config(tmp_path: Path, text: str) -> str:
     path = tmp_path / "gpud.toml"
     path.write_text(text)
     return str(path)
-
 
 
 # --- the kernel's credentials -------------------------------------------------------------
@@ -183,14 +185,16 @@ def hidden_proc(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
     wrapper.write_text(
         "#!/bin/sh\n"
         "exec unshare --mount --propagation private /bin/sh -c "
-        f"'mount -t tmpfs none /proc && exec \"$@\"' sh {sys.executable} \"$@\"\n"
+        f'\'mount -t tmpfs none /proc && exec "$@"\' sh {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
     return str(wrapper)
 
 
 def test_a_member_of_the_admin_group_through_a_supplementary_group_is_admin(
-    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, hidden_proc: str | None,
+    daemon_factory: Callable[..., DaemonProcess],
+    tmp_path: Path,
+    hidden_proc: str | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     users = users_group()
@@ -248,8 +252,18 @@ def from_file(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     cfg = tmp_path / "gpud.toml"
     cfg.write_text(f'tq_s = 30.0\nstate_dir = "{workdir}/state"\nmonitor_interval_s = 1.0\n')
     d = DaemonProcess("--simulate", "2", "--config", str(cfg), workdir=workdir)
-    cmd = [sys.executable, "-m", "gpud.main", "--socket", d.socket, "--log-format", "json", "--metrics-addr", "off",
-           *d.args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpud.main",
+        "--socket",
+        d.socket,
+        "--log-format",
+        "json",
+        "--metrics-addr",
+        "off",
+        *d.args,
+    ]
     with open(d.log_path, "ab") as log:
         d.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     try:
@@ -275,7 +289,7 @@ def test_a_bad_config_on_reload_changes_nothing(from_file: tuple[DaemonProcess, 
 
 
 def test_a_reload_applies_groups_tenants_and_intervals_and_defers_restart_keys(
-    from_file: tuple[DaemonProcess, Path]
+    from_file: tuple[DaemonProcess, Path],
 ) -> None:
     d, cfg = from_file
     users = users_group()

@@ -45,7 +45,6 @@ def start(factory: Factory, tmp_path: Path, *flags: str, toml: str = "", **caps:
     return factory("--simulate", "2x16GiB", "--metrics-addr", "127.0.0.1:0", "--config", str(cfg), *flags)
 
 
-
 def events(d: DaemonProcess, name: str) -> list[dict[str, Any]]:
     lines = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
     return [e for e in lines if e.get("event") == name]
@@ -197,7 +196,7 @@ def flood(conn: Connection, session: int) -> threading.Thread:
     def write() -> None:
         try:
             for k in range(0, len(burst), step):
-                conn.sock.sendall(burst[k:k + step])
+                conn.sock.sendall(burst[k : k + step])
         except OSError:
             pass  # dropped (or shut down at the end) while the daemon no longer reads
 
@@ -211,8 +210,7 @@ def messages(d: DaemonProcess, kind: str) -> float:
 
 
 def test_a_client_that_never_reads_is_dropped_once_and_delays_nobody(daemon_factory: Factory, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, "--mode", "serial", outbox_high_water_bytes=65536,
-              outbox_limit_bytes=65536)
+    d = start(daemon_factory, tmp_path, "--mode", "serial", outbox_high_water_bytes=65536, outbox_limit_bytes=65536)
     flooder = connect(d, "never-reads")
     sessions = [attach(flooder, 1) for _ in range(20)]  # so that each CLIENTS answer is some KiB
     a, b, admin = connect(d, "a"), connect(d, "b"), connect(d, "admin")
@@ -282,11 +280,28 @@ def few_descriptors() -> Iterator[tuple[DaemonProcess, Notify]]:
     d = DaemonProcess()
     notify = Notify(os.path.join(d.workdir, "notify"))
     env = {**os.environ, "NOTIFY_SOCKET": os.path.join(d.workdir, "notify"), "WATCHDOG_USEC": "200000"}
-    cmd = [sys.executable, "-m", "gpud.main", "--socket", d.socket, "--log-format", "json", "--metrics-addr", "off",
-           "--state-dir", os.path.join(d.workdir, "state"), "--simulate", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpud.main",
+        "--socket",
+        d.socket,
+        "--log-format",
+        "json",
+        "--metrics-addr",
+        "off",
+        "--state-dir",
+        os.path.join(d.workdir, "state"),
+        "--simulate",
+        "1",
+    ]
     with open(d.log_path, "ab") as log:
         d.proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
         )
     try:

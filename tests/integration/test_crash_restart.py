@@ -139,7 +139,7 @@ def overlaps(intervals: Iterable[Interval]) -> list[tuple[Interval, Interval]]:
     for ivs in by_gpu.values():
         ivs.sort(key=lambda i: i.t0)
         for n, a in enumerate(ivs):
-            for b in ivs[n + 1:]:
+            for b in ivs[n + 1 :]:
                 if b.t0 >= a.t1:
                     break
                 if b.holder != a.holder:
@@ -195,7 +195,9 @@ class CrashHarness:
             err = open(self.out / f"{name}.stderr", "wb")
             self.workers[name] = subprocess.Popen(
                 [sys.executable, str(WORKER), self.socket, str(self.out / f"{name}.log"), name, str(self.seed)],
-                stdout=err, stderr=err, stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
             )
             err.close()
 
@@ -245,8 +247,10 @@ class CrashHarness:
         tail = "\n".join(notable[-20:] + ["..."] + lines[-8:])
         for name, proc in self.workers.items():
             if proc.poll() not in (None, 0):
-                tail += f"\nworker {name} exited with {proc.returncode}:\n" + (
-                    (self.out / f"{name}.stderr").read_text(errors="replace")[-1500:])
+                tail += (
+                    f"\nworker {name} exited with {proc.returncode}:\n"
+                    + ((self.out / f"{name}.stderr").read_text(errors="replace")[-1500:])
+                )
         return (
             f"{what}\n(seed {self.seed}: GPUD_CRASH_SEED={self.seed} repeats its choices; times in s since start;"
             f" kills at {[self.at(t) for t in self.kills]}, daemon up at {[self.at(t) for t in self.restarts]};"
@@ -329,8 +333,11 @@ class CrashHarness:
         failures = []
         both = overlaps(i for log in logs.values() for i in log.intervals)
         if both:
-            lines = [f"GPU {a.gpu}: {a.holder} [{self.at(a.t0)}, {self.at(a.t1)}] {a.end} and "
-                     f"{b.holder} [{self.at(b.t0)}, {self.at(b.t1)}] {b.end}" for a, b in both[:20]]
+            lines = [
+                f"GPU {a.gpu}: {a.holder} [{self.at(a.t0)}, {self.at(a.t1)}] {a.end} and "
+                f"{b.holder} [{self.at(b.t0)}, {self.at(b.t1)}] {b.end}"
+                for a, b in both[:20]
+            ]
             failures.append(f"{len(both)} pairs of holders believed they held one GPU at once:\n" + "\n".join(lines))
         if problems := [f"{name}: {p}" for name, log in logs.items() for p in log.problems]:
             failures.append("workers saw errors, hangs or unexpected refusals:\n" + "\n".join(problems[:40]))
@@ -348,8 +355,10 @@ class CrashHarness:
         with self.observer() as c:
             listing = c.allocations()
         if listing.allocations or listing.waiting:
-            failures.append(f"after every worker freed its tasks the daemon still lists "
-                            f"{[a.task_id for a in listing.allocations]}, waiting {listing.waiting}")
+            failures.append(
+                f"after every worker freed its tasks the daemon still lists "
+                f"{[a.task_id for a in listing.allocations]}, waiting {listing.waiting}"
+            )
         assert self.daemon is not None
         if faults := [line for line in self.daemon.log().splitlines() if '"fault"' in line or "Traceback" in line]:
             failures.append("the daemon logged faults:\n" + "\n".join(faults[:10]))
@@ -361,14 +370,16 @@ class CrashHarness:
         ivs = [i for log in logs for i in log.intervals]
         locks = [i for i in ivs if i.holder.endswith("/lock")]
         learned = [i.t1 - k for i in locks for k in self.kills if i.end == "lost" and i.t0 <= k <= i.t1]
-        return (f"seed {self.seed}: {len(self.kills)} kills, {len(locks)} lock holds "
-                f"({sum(i.end == 'lost' for i in locks)} lost to a kill, learned within "
-                f"{max(learned, default=0) * 1000:.1f} ms of it), "
-                f"{len(ivs) - len(locks)} leases, {sum(len(log.acked) for log in logs)} allocations acked, "
-                f"{sum(len(log.refused) for log in logs)} refused, "
-                f"{sum(len(log.uncertain) for log in logs)} unanswered "
-                f"({sum(len(log.waits_cut) for log in logs)} with a wait_ms, in flight at a kill), "
-                f"{sum(len(log.unavailable_at) for log in logs)} DaemonUnavailable refusals")
+        return (
+            f"seed {self.seed}: {len(self.kills)} kills, {len(locks)} lock holds "
+            f"({sum(i.end == 'lost' for i in locks)} lost to a kill, learned within "
+            f"{max(learned, default=0) * 1000:.1f} ms of it), "
+            f"{len(ivs) - len(locks)} leases, {sum(len(log.acked) for log in logs)} allocations acked, "
+            f"{sum(len(log.refused) for log in logs)} refused, "
+            f"{sum(len(log.uncertain) for log in logs)} unanswered "
+            f"({sum(len(log.waits_cut) for log in logs)} with a wait_ms, in flight at a kill), "
+            f"{sum(len(log.unavailable_at) for log in logs)} DaemonUnavailable refusals"
+        )
 
 
 def test_sigkill_and_restart_under_load_keep_allocations_sessions_and_exclusion(tmp_path: Path) -> None:
@@ -378,8 +389,11 @@ def test_sigkill_and_restart_under_load_keep_allocations_sessions_and_exclusion(
     try:
         h.start_daemon()
         h.start_workers(WORKERS)
-        h.eventually(lambda: None if all(log.ready for log in h.logs().values()) else "workers not ready",
-                     "the workers are ready", 20)
+        h.eventually(
+            lambda: None if all(log.ready for log in h.logs().values()) else "workers not ready",
+            "the workers are ready",
+            20,
+        )
         h.eventually(lambda: h.regranted(h.restarts[-1]), "every GPU is granted", REGRANT_S)
         for _ in range(KILLS):
             time.sleep(h.rng.uniform(*KILL_GAP_S))  # not a wait: load runs until the (random) moment of the kill

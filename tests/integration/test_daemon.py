@@ -27,10 +27,13 @@ def test_socket_from_the_environment_and_its_directory_is_created() -> None:
     path = os.path.join(base, "run", "gpud", "gpud.sock")
     env = {**os.environ, "GPUD_SOCKET": path}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpud.main", "--simulate", "1"], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "gpud.main", "--simulate", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
+
         def listening() -> Connection | None:
             assert proc.poll() is None, "gpud exited"
             try:
@@ -64,7 +67,9 @@ def test_a_stale_socket_file_is_replaced(daemon: DaemonProcess) -> None:
 def test_a_live_daemon_is_not_displaced(daemon: DaemonProcess) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "gpud.main", "--simulate", "1", "--socket", daemon.socket],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 1
     assert f"another daemon is listening on {daemon.socket}" in out.stderr
@@ -77,8 +82,12 @@ def test_a_live_daemon_is_not_displaced(daemon: DaemonProcess) -> None:
 
 
 def _gpuctl(d: DaemonProcess, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -28,8 +28,12 @@ from .wire import attach, connect, take_lock
 
 
 def run_gpud(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpud.main", "--metrics-addr", "off", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gpud.main", "--metrics-addr", "off", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # --- one daemon per state directory and per socket ------------------------------------
@@ -39,8 +43,10 @@ def test_a_second_daemon_on_the_same_state_directory_refuses_to_start(daemon: Da
     state = os.path.join(daemon.workdir, "state")
     out = run_gpud("--simulate", "1", "--socket", os.path.join(daemon.workdir, "other.sock"), "--state-dir", state)
     assert out.returncode == 1
-    assert f"gpud pid {daemon.proc.pid if daemon.proc else '?'} is already running with the state directory {state}" \
+    assert (
+        f"gpud pid {daemon.proc.pid if daemon.proc else '?'} is already running with the state directory {state}"
         in out.stderr
+    )
     assert not os.path.exists(os.path.join(daemon.workdir, "other.sock"))
     connect(daemon).close()  # the first one serves on
 
@@ -107,8 +113,9 @@ def test_a_store_of_a_newer_gpud_stops_the_start_and_says_what_to_do(tmp_path: P
     db.close()
     out = run_gpud("--simulate", "1", "--socket", d.socket, "--state-dir", str(state))
     assert out.returncode == 1
-    assert "was written by a newer gpud (store schema 2; this gpud reads schema 1 and older): upgrade gpud" \
-        in out.stderr
+    assert (
+        "was written by a newer gpud (store schema 2; this gpud reads schema 1 and older): upgrade gpud" in out.stderr
+    )
     d.cleanup()
 
 
@@ -130,9 +137,16 @@ def test_a_state_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
 def test_a_store_locked_by_another_process_refuses_changes_and_locks_go_on(daemon: DaemonProcess) -> None:
     path = os.path.join(daemon.workdir, "state", "allocations.sqlite3")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
-         "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); sys.stdin.readline()", path],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+            "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); sys.stdin.readline()",
+            path,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
@@ -166,8 +180,11 @@ def test_requests_during_shutdown_get_shutting_down_and_exit_is_clean(daemon: Da
         try:
             while True:
                 i += 1
-                msg = p.Allocate(id=conn.next_id(), task_id=f"t{i}", gpus=0.01) if i % 2 else \
-                    p.Free(id=conn.next_id(), task_id=f"t{i - 1}")
+                msg = (
+                    p.Allocate(id=conn.next_id(), task_id=f"t{i}", gpus=0.01)
+                    if i % 2
+                    else p.Free(id=conn.next_id(), task_id=f"t{i - 1}")
+                )
                 answer = conn.call(msg, timeout=5)
                 answers.append(answer)
                 if isinstance(answer, p.Allocated):

@@ -46,8 +46,9 @@ def gpuctl(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 def test_the_installed_script_is_gpuctl(daemon: DaemonProcess) -> None:
     script = Path(sys.executable).with_name("gpuctl")
-    out = subprocess.run([str(script), "--socket", daemon.socket, "status", "--json"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [str(script), "--socket", daemon.socket, "status", "--json"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["gpus"]) == 2
     bad = subprocess.run([str(script), "status", "--bogus"], capture_output=True, text=True, timeout=30)
@@ -136,7 +137,10 @@ ABSENT = "/tmp/gpud-absent/gpud.sock"  # nothing listens: a check that connected
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["alloc", "--task", "t", "--gpus", "-1"], "argument --gpus: must be a whole number of GPUs >= 1 or a fraction"),
+        (
+            ["alloc", "--task", "t", "--gpus", "-1"],
+            "argument --gpus: must be a whole number of GPUs >= 1 or a fraction",
+        ),
         (["alloc", "--task", "t", "--gpus", "1.5"], "argument --gpus: must be a whole number of GPUs >= 1"),
         (["alloc", "--task", "t", "--gpus", "0.00001"], "argument --gpus: gpus 1e-05 is finer than 1/10000 of a GPU"),
         (["alloc", "--task", "t", "--gpus", "2000"], "argument --gpus: must be at most 1024 GPUs"),
@@ -151,20 +155,40 @@ ABSENT = "/tmp/gpud-absent/gpud.sock"  # nothing listens: a check that connected
         (["tq", "90000"], "argument SECONDS: the time quantum must be 0.001..86400 seconds, got 90000"),
         (["alloc", "--task", "t", "--owner-pid", "99999999"], "argument --owner-pid: must be a process id 1..4194304"),
         (["alloc", "--task", "t", "--owner-pid", "0"], "argument --owner-pid: must be a process id 1..4194304"),
-        (["alloc", "--task", "t", "--owner-pid", str(p.PID_MAX)],  # pids stay below pid_max, at most PID_MAX
-         f"argument --owner-pid: no process {p.PID_MAX} on this machine: gpud would reclaim the allocation at once"),
-        (["alloc", "--task", "etl 1"], "argument --task: a task id may not contain a space, got 'etl 1' (allowed: letters"),
+        (
+            ["alloc", "--task", "t", "--owner-pid", str(p.PID_MAX)],  # pids stay below pid_max, at most PID_MAX
+            f"argument --owner-pid: no process {p.PID_MAX} on this machine: gpud would reclaim the allocation at once",
+        ),
+        (
+            ["alloc", "--task", "etl 1"],
+            "argument --task: a task id may not contain a space, got 'etl 1' (allowed: letters",
+        ),
         (["free", "--task", "etl\x071"], "argument --task: a task id may not contain a control character (\\x07)"),
         (["alloc", "--task", "x" * 300], "argument --task: a task id must be at most 256 characters, got 300"),
-        (["alloc", "--task", "t", "--tenant", "a\nb"], "argument --tenant: a tenant name may not contain a control char"),
-        (["alloc", "--task", "t", "--prefer", "1,,2"], "argument --prefer: must be a GPU index 0..1023, gpu:N or a GPU"),
+        (
+            ["alloc", "--task", "t", "--tenant", "a\nb"],
+            "argument --tenant: a tenant name may not contain a control char",
+        ),
+        (
+            ["alloc", "--task", "t", "--prefer", "1,,2"],
+            "argument --prefer: must be a GPU index 0..1023, gpu:N or a GPU",
+        ),
         (["tq", "5", "--gpu", "x y"], "argument --gpu: must be a GPU index 0..1023"),
         (["limit", "trainer"], "nothing to change: give --core PERCENT and/or --mem SIZE"),
-        (["limit", "trainer", "--mem", "-1GiB"], "argument --mem: not a size: '-1GiB' is negative, and negative sizes are not allowed"),
-        (["limit", "trainer", "--mem=-1GiB"], "argument --mem: not a size: '-1GiB' is negative, and negative sizes are not allowed"),
+        (
+            ["limit", "trainer", "--mem", "-1GiB"],
+            "argument --mem: not a size: '-1GiB' is negative, and negative sizes are not allowed",
+        ),
+        (
+            ["limit", "trainer", "--mem=-1GiB"],
+            "argument --mem: not a size: '-1GiB' is negative, and negative sizes are not allowed",
+        ),
         (["limit", "trainer", "--core", "0"], "argument --core: must be 1..100 percent of GPU time, got 0"),
         (["limit", "0", "--core", "5"], "argument CLIENT: must be a client id (1 or more) or a client name"),
-        (["policy", "ASR", "--queue-limit", "-1"], "argument --queue-limit: must be 0..100000 waiting requests, got -1"),
+        (
+            ["policy", "ASR", "--queue-limit", "-1"],
+            "argument --queue-limit: must be 0..100000 waiting requests, got -1",
+        ),
         (["policy", "--max-wait", "5"], "name the task type whose policy to change"),
         (["policy", "A S R"], "argument TASK_TYPE: a task type may not contain a space"),
         (["top", "--count", "0"], "argument --count: must be a whole number >= 1"),
@@ -186,8 +210,9 @@ def test_json_errors_for_refusals_and_an_absent_daemon(daemon: DaemonProcess) ->
         c.allocate("hog", gpus=2)
     out = gpuctl("alloc", "--task", "late", "--json", "--socket", daemon.socket)
     assert (out.returncode, out.stdout) == (1, ""), out.stderr
-    assert json.loads(out.stderr) == {"error": {"code": "insufficient",
-                                                "message": "1 whole GPU(s) asked, 0 entirely free now"}}
+    assert json.loads(out.stderr) == {
+        "error": {"code": "insufficient", "message": "1 whole GPU(s) asked, 0 entirely free now"}
+    }
     out = gpuctl("--json", "tq", "5", "--gpu", "7", "--socket", daemon.socket)
     assert out.returncode == 1 and json.loads(out.stderr)["error"]["code"] == "unknown_gpu"
     out = gpuctl("status", "--json", "--socket", ABSENT)
@@ -205,7 +230,11 @@ def test_version_names_gpuctl_gpud_and_the_client() -> None:
     assert out.stdout == f"gpuctl {gpud} (gpud {gpud}), gpud-client {client}, protocol {p.PROTOCOL_VERSION}\n"
     out = gpuctl("--json", "--version")
     assert out.returncode == 0 and json.loads(out.stdout) == {
-        "gpuctl": gpud, "gpud": gpud, "gpud_client": client, "protocol": p.PROTOCOL_VERSION}
+        "gpuctl": gpud,
+        "gpud": gpud,
+        "gpud_client": client,
+        "protocol": p.PROTOCOL_VERSION,
+    }
 
 
 def test_status_shows_the_mode_with_the_scheduler_off_and_the_reserve(daemon: DaemonProcess) -> None:

@@ -35,8 +35,13 @@ def make(*args: str) -> subprocess.CompletedProcess[str]:
     # Under `make test` the outer make's MAKEFLAGS (its variables, its jobserver) would
     # leak into this one; the install must see only what is passed here.
     env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}}
-    out = subprocess.run(["make", "-C", str(ROOT), *args, f"PYTHON={sys.executable}"],
-                         env=env, capture_output=True, text=True, timeout=540)
+    out = subprocess.run(
+        ["make", "-C", str(ROOT), *args, f"PYTHON={sys.executable}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -53,8 +58,14 @@ def away_from_the_checkout() -> dict[str, str]:
 
 
 def installed_python(staged: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(staged / STAGED_VENV / "bin/python"), *args], env=away_from_the_checkout(),
-                          cwd=staged, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(staged / STAGED_VENV / "bin/python"), *args],
+        env=away_from_the_checkout(),
+        cwd=staged,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def wait_ready(notify: socket.socket, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
@@ -94,7 +105,7 @@ def test_the_links_and_scripts_name_the_final_paths(staged: Path) -> None:
     for path in (staged / STAGED_VENV / "bin").iterdir():
         if path.is_file() and not path.is_symlink():
             assert str(staged) not in path.read_text(errors="replace"), path
-    assert f"VIRTUAL_ENV=\"{PREFIX}\"" in (staged / STAGED_VENV / "bin/activate").read_text()
+    assert f'VIRTUAL_ENV="{PREFIX}"' in (staged / STAGED_VENV / "bin/activate").read_text()
 
 
 def test_the_installed_package_runs_from_its_own_site_packages(staged: Path) -> None:
@@ -115,10 +126,23 @@ def test_a_daemon_from_the_installed_venv_answers_its_gpuctl(staged: Path) -> No
     bindir = staged / STAGED_VENV / "bin"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(bindir / "python"), str(bindir / "gpud"), "--simulate", "1", "--socket", sock,
-             "--state-dir", str(work / "state"), "--metrics-addr", "off"],
-            env=away_from_the_checkout() | {"NOTIFY_SOCKET": str(work / "notify")}, cwd=work,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            [
+                str(bindir / "python"),
+                str(bindir / "gpud"),
+                "--simulate",
+                "1",
+                "--socket",
+                sock,
+                "--state-dir",
+                str(work / "state"),
+                "--metrics-addr",
+                "off",
+            ],
+            env=away_from_the_checkout() | {"NOTIFY_SOCKET": str(work / "notify")},
+            cwd=work,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
         )
     try:
         wait_ready(notify, proc, log)
@@ -141,9 +165,12 @@ def test_the_installed_units_name_the_link_and_their_files_are_in_place(staged: 
     unit = staged / "etc/systemd/system/gpud.service"
     assert exec_start(unit) == "/usr/local/bin/gpud"
     assert os.readlink(staged / "usr/local/bin/gpud") == f"{PREFIX}/bin/gpud"
-    for path, shipped in ((unit, "gpud.service"), (staged / "etc/systemd/system/gpud.socket", "gpud.socket"),
-                          (staged / "usr/lib/sysusers.d/gpud.conf", "gpud.sysusers.conf"),
-                          (staged / "usr/lib/tmpfiles.d/gpud.conf", "gpud.tmpfiles.conf")):
+    for path, shipped in (
+        (unit, "gpud.service"),
+        (staged / "etc/systemd/system/gpud.socket", "gpud.socket"),
+        (staged / "usr/lib/sysusers.d/gpud.conf", "gpud.sysusers.conf"),
+        (staged / "usr/lib/tmpfiles.d/gpud.conf", "gpud.tmpfiles.conf"),
+    ):
         assert path.stat().st_mode & 0o777 == 0o644, path
         assert path.read_text() == (ROOT / "systemd" / shipped).read_text(), path
 
@@ -174,8 +201,14 @@ def verify_under_root(staged: Path, root: Path) -> tuple[Callable[[], subprocess
 def verify_at_real_paths(base: Path) -> tuple[Callable[[], subprocess.CompletedProcess[str]], Path]:
     """For a systemd-analyze that cannot verify under --root (systemd 249 and older): a second
     install, to real paths where the unit's ExecStart= and its link resolve on this machine."""
-    make("install", f"PREFIX={base}/venv", f"BINDIR={base}/bin", f"UNITDIR={base}/units",
-         f"SYSUSERSDIR={base}/sysusers.d", f"TMPFILESDIR={base}/tmpfiles.d")
+    make(
+        "install",
+        f"PREFIX={base}/venv",
+        f"BINDIR={base}/bin",
+        f"UNITDIR={base}/units",
+        f"SYSUSERSDIR={base}/sysusers.d",
+        f"TMPFILESDIR={base}/tmpfiles.d",
+    )
     assert exec_start(base / "units/gpud.service") == f"{base}/bin/gpud"
     return (lambda: analyze_verify(base / "units/gpud.service", base / "units/gpud.socket")), base / "venv/bin/gpud"
 
@@ -205,10 +238,20 @@ def test_uninstall_takes_back_every_file_install_made(staged: Path, tmp_path: Pa
 def test_the_demo_installs_neither_ray_nor_airflow_nor_the_test_tools() -> None:
     """`make demo` on a fresh checkout installs gpud and its client; the tests' extras come with `make test`."""
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(["make", "-n", "--always-make", "-C", str(root), "demo"], capture_output=True, text=True,
-                         check=True, env={**os.environ, "MAKEFLAGS": ""})
+    out = subprocess.run(
+        ["make", "-n", "--always-make", "-C", str(root), "demo"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+    )
     installs = [line for line in out.stdout.splitlines() if "pip install" in line]
     assert installs and not any(x in line for line in installs for x in ("ray", "airflow", "[test]")), installs
-    test = subprocess.run(["make", "-n", "--always-make", "-C", str(root), "test"], capture_output=True, text=True,
-                          check=True, env={**os.environ, "MAKEFLAGS": ""}).stdout
+    test = subprocess.run(
+        ["make", "-n", "--always-make", "-C", str(root), "test"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+    ).stdout
     assert "'./client[ray,airflow]'" in test and "'.[test]'" in test

@@ -62,8 +62,12 @@ def waiter_name(k: int) -> str:
 
 def trace(i: int) -> p.Trace:
     """Every field filled, names near their 128-character limit."""
-    return p.Trace(job_id=_pad(f"job-{i:04d}-", "j"), session_id=_pad(f"sess-{i:04d}-", "k"),
-                   utterance_index=2**53 - i, stage=_pad(f"stage-{i:04d}-", "g"))
+    return p.Trace(
+        job_id=_pad(f"job-{i:04d}-", "j"),
+        session_id=_pad(f"sess-{i:04d}-", "k"),
+        utterance_index=2**53 - i,
+        stage=_pad(f"stage-{i:04d}-", "g"),
+    )
 
 
 def task_id(i: int) -> str:
@@ -83,7 +87,6 @@ class Node:
     @property
     def waiter_names(self) -> set[str]:
         return {waiter_name(k) for k in range(WAITER_CONNS)}
-
 
 
 def waiting_leases(conn: Connection) -> int:
@@ -107,8 +110,11 @@ def _load(node: Node) -> None:
     for k in range(WAITER_CONNS):
         conn = _open(node.d, waiter_name(k), node.conns)
         for j in range(LEASES_EACH):
-            conn.send(p.Acquire(id=conn.next_id(), gpu=0, task_type=TASK, max_wait_ms=60_000,
-                                trace=trace(k * LEASES_EACH + j)))
+            conn.send(
+                p.Acquire(
+                    id=conn.next_id(), gpu=0, task_type=TASK, max_wait_ms=60_000, trace=trace(k * LEASES_EACH + j)
+                )
+            )
     eventually(lambda: waiting_leases(node.checker) == WAITER_CONNS * LEASES_EACH, "500 waiting leases", timeout=20)
     alloc = _open(node.d, ALLOCATOR, node.conns)
     for start in range(0, ALLOCATIONS, 50):
@@ -123,7 +129,7 @@ def node(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> Iterat
     cfg = tmp_path / "gpud.toml"
     cfg.write_text(
         "lease_queue_limit = 1000\n\n"
-        f"[policies.{TASK}]\npriority = 50\nbusy_policy = \"WAIT\"\nmax_wait_ms = 600000\nqueue_limit = 1000\n"
+        f'[policies.{TASK}]\npriority = 50\nbusy_policy = "WAIT"\nmax_wait_ms = 600000\nqueue_limit = 1000\n'
     )
     d = daemon_factory("--simulate", "2x16GiB", "--config", str(cfg))
     conns: list[Connection] = []
@@ -133,8 +139,9 @@ def node(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> Iterat
         ok = take_lock(holder, lock_session)
         checker = _open(d, CHECKER, conns)
         leaser = _open(d, LEASE_HOLDER, conns)
-        got = leaser.call(p.Acquire(id=leaser.next_id(), gpu=0, task_type=TASK, hold_max_ms=3_600_000,
-                                    trace=trace(9999)))
+        got = leaser.call(
+            p.Acquire(id=leaser.next_id(), gpu=0, task_type=TASK, hold_max_ms=3_600_000, trace=trace(9999))
+        )
         assert got.acquired and got.lease_id, got
         node = Node(d, holder, lock_session, ok.grant, checker, got.lease_id, conns)
         _load(node)
@@ -202,7 +209,10 @@ def assert_lock_kept(node: Node) -> None:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -267,8 +277,10 @@ def read_until(fd: int, needle: bytes, buf: bytes = b"", timeout: float = 20.0) 
 def test_gpuctl_top_draws_the_busy_node(node: Node) -> None:
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(sys.executable, [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", node.d.socket, "top",
-                                  "--interval", "30"])
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", node.d.socket, "top", "--interval", "30"],
+        )
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))
     try:
         screen = read_until(fd, b"\x1b[1mGPU 1")  # GPU 1's heading comes after every line of GPU 0
@@ -299,10 +311,12 @@ def test_gpuctl_top_draws_the_busy_node(node: Node) -> None:
 # --- the client libraries ------------------------------------------------------------
 
 
-def check_all(node: Node, status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply,
-              allocs: p.AllocationsReply) -> None:
+def check_all(
+    node: Node, status: p.StatusReply, clients: p.ClientsReply, leases: p.LeasesReply, allocs: p.AllocationsReply
+) -> None:
     assert all(map(is_large, (status, clients, leases, allocs))), [
-        len(msgspec.msgpack.encode(r)) for r in (status, clients, leases, allocs)]
+        len(msgspec.msgpack.encode(r)) for r in (status, clients, leases, allocs)
+    ]
     check_status(status, node)
     check_clients(clients, node)
     check_leases(leases, node)

@@ -47,7 +47,9 @@ while time.monotonic() < end:
 def start_service(d: DaemonProcess, task: str, seconds: float, hold_ms: float) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVICE, d.socket, task, str(seconds), str(hold_ms)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -157,16 +159,31 @@ def test_metrics_are_scraped_over_http(daemon_factory: Callable[..., DaemonProce
 
 def test_one_log_line_per_acquire_with_its_trace(daemon: DaemonProcess) -> None:
     with Client(daemon.socket) as c:
-        with c.lease("gpu:0", task_type="ASR",
-                     trace={"job_id": "job-7", "session_id": "s-1", "utterance_index": 4, "stage": "asr"}):
+        with c.lease(
+            "gpu:0",
+            task_type="ASR",
+            trace={"job_id": "job-7", "session_id": "s-1", "utterance_index": 4, "stage": "asr"},
+        ):
             pass
     lines = eventually(
         lambda: [e for e in map(json.loads, daemon.log().splitlines()) if e.get("event") == "lease"],
-        "a lease line in the log", why=daemon.log,
+        "a lease line in the log",
+        why=daemon.log,
     )
     assert len(lines) == 1
     line = lines[0]
-    for key in ("job_id", "session_id", "utterance_index", "stage", "task_type", "gpu", "status", "wait_ms",
-                "hold_ms", "reason", "lease_id"):
+    for key in (
+        "job_id",
+        "session_id",
+        "utterance_index",
+        "stage",
+        "task_type",
+        "gpu",
+        "status",
+        "wait_ms",
+        "hold_ms",
+        "reason",
+        "lease_id",
+    ):
         assert key in line, key
     assert (line["job_id"], line["utterance_index"], line["status"]) == ("job-7", 4, "ACQUIRED")

@@ -36,7 +36,9 @@ while True:
 
 
 def worker(d: DaemonProcess, name: str, limit: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, d.socket, name, str(limit)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, d.socket, name, str(limit)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -50,7 +52,10 @@ def session_info(d: DaemonProcess, name: str) -> p.SessionInfo:
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 

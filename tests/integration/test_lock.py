@@ -37,9 +37,7 @@ time.sleep(60)
 
 
 def test_sigkilled_holder_hands_over_within_50ms(daemon: DaemonProcess) -> None:
-    victim = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, daemon.socket], stdout=subprocess.PIPE, text=True
-    )
+    victim = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.socket], stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None and victim.stdout.readline().strip() == "held"
         waiter = connect(daemon, "waiter")

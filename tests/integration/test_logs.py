@@ -22,7 +22,8 @@ def events(d: DaemonProcess) -> list[dict[str, object]]:
 
 def wait_event(d: DaemonProcess, name: str) -> dict[str, object]:
     found: list[dict[str, object]] = eventually(
-        lambda: [e for e in events(d) if e["event"] == name], f"{name} in the log",
+        lambda: [e for e in events(d) if e["event"] == name],
+        f"{name} in the log",
         why=lambda: f"events: {[e['event'] for e in events(d)]}",
     )
     return found[-1]

@@ -98,7 +98,9 @@ def test_real_gpus_are_discovered_and_sampled(nvml_daemon: tuple[DaemonProcess, 
     with Client(d.socket) as c:
         st = c.status()
         assert [(g.name, g.uuid, g.simulated) for g in st.gpus] == [
-            ("NVIDIA A100-SXM4-40GB", "GPU-aaaa", False), ("NVIDIA L4", "GPU-bbbb", False)]
+            ("NVIDIA A100-SXM4-40GB", "GPU-aaaa", False),
+            ("NVIDIA L4", "GPU-bbbb", False),
+        ]
     eventually(lambda: metric_is(d, "gpud_gpu_utilization_ratio", 0.35, gpu="0"), "GPU 0 sampled", why=d.log)
     assert metric(d, "gpud_gpu_memory_used_bytes", gpu="0") == GIB
     assert metric(d, "gpud_gpu_memory_total_bytes", gpu="1") == 24 * GIB
@@ -145,8 +147,10 @@ def test_a_hung_gpu_is_unhealthy_within_three_intervals_and_nothing_else_waits(t
         began = time.monotonic()
         eventually(lambda: not c.status().gpus[1].healthy, "GPU 1 unhealthy")
         took = time.monotonic() - began
-        print(f"\nhung GPU shown unhealthy {took * 1000:.0f} ms after its hang began "
-              f"({took / HANG_INTERVAL_S:.2f} monitor intervals)")
+        print(
+            f"\nhung GPU shown unhealthy {took * 1000:.0f} ms after its hang began "
+            f"({took / HANG_INTERVAL_S:.2f} monitor intervals)"
+        )
         assert took < 3 * HANG_INTERVAL_S
         assert c.status().gpus[0].healthy and metric(d, "gpud_gpu_healthy", gpu="1") == 0
         threads = _threads(d)
@@ -219,8 +223,10 @@ def test_daemon_metrics_are_scraped(nvml_daemon: tuple[DaemonProcess, Callable[.
             pass
         s.release()
         c.call(__import__("gpud_client").protocol.Attach(id=0, gpu=0, priority=5))
-        eventually(lambda: metric_is(d, "gpud_session_core_limit_ratio", 0.4, gpu="0", client="trainer"),
-                   "the session's core limit is exported")
+        eventually(
+            lambda: metric_is(d, "gpud_session_core_limit_ratio", 0.4, gpu="0", client="trainer"),
+            "the session's core limit is exported",
+        )
         assert metric(d, "gpud_clients") >= 1
         assert metric(d, "gpud_messages_total", type="LOCK_REQUEST") == 1
         assert metric(d, "gpud_lock_grants_total", gpu="0") == 1

@@ -164,8 +164,11 @@ def test_a_drop_that_comes_during_a_pause_is_answered_too() -> None:
     s = _FakeSession()
     with PausableSlice([s]) as body:  # type: ignore[list-item]
         s.drop("quota")
-        eventually(lambda: body.pauses == 2 and s.drop_pending is None, "both drops answered",
-                   why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}")
+        eventually(
+            lambda: body.pauses == 2 and s.drop_pending is None,
+            "both drops answered",
+            why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}",
+        )
     assert s.entries == 3
 
 
@@ -193,5 +196,8 @@ def test_a_drop_that_came_before_the_body_began_is_answered_too() -> None:
     s.on_drop = lambda reason: None
     s.drop_pending = "tq"  # asked to yield between the grant and the body's first bytecode
     with PausableSlice([s]) as body:  # type: ignore[list-item]
-        eventually(lambda: body.pauses == 1 and s.drop_pending is None, "the drop answered",
-                   why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}")
+        eventually(
+            lambda: body.pauses == 1 and s.drop_pending is None,
+            "the drop answered",
+            why=lambda: f"pauses {body.pauses}, pending {s.drop_pending}",
+        )

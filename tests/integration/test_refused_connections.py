@@ -72,8 +72,12 @@ def hung_up(sock: socket.socket) -> bool:
 @pytest.mark.parametrize("cap", CAPS)
 def test_gpuctl_says_which_cap_refused_it(daemon_factory: Factory, tmp_path: Path, cap: str) -> None:
     d, held = full(daemon_factory, tmp_path, cap)
-    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, "status"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", d.socket, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.startswith(f"gpuctl: limit_reached: {words(cap)}"), out.stderr
     assert out.stderr.count("\n") == 1

@@ -62,20 +62,41 @@ def _write_records(state_dir: Path, rows: list[tuple[str, bytes]]) -> None:
 
 
 def _record(task_id: str, gpus: list[int], share: int, owner_pid: int | None) -> bytes:
-    return msgspec.msgpack.encode({"task_id": task_id, "gpus": gpus, "share": share, "cpus": [], "tenant": None,
-                                   "priority": 50, "owner_pid": owner_pid, "created_us": 0, "uid": 0})
+    return msgspec.msgpack.encode(
+        {
+            "task_id": task_id,
+            "gpus": gpus,
+            "share": share,
+            "cpus": [],
+            "tenant": None,
+            "priority": 50,
+            "owner_pid": owner_pid,
+            "created_us": 0,
+            "uid": 0,
+        }
+    )
 
 
 def test_records_that_cannot_be_used_are_set_aside_not_a_crash_loop(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    _write_records(state, [
-        ("good", _record("good", [0], 2500, None)),
-        ("huge-pid", _record("huge-pid", [1], 10000, 2**40)),  # an older daemon accepted this
-        ("corrupt", b"\xc1\xc1 not msgpack"),
-        ("gone-gpu", _record("gone-gpu", [7], 10000, None)),  # the node has 2 GPUs now
-        ("bad-share", _record("bad-share", [1], 20000, None)),
-    ])
-    args = ("--simulate", "2x16GiB", "--state-dir", str(state), "--config", config(tmp_path, "reap_interval_s = 0.05\n"))
+    _write_records(
+        state,
+        [
+            ("good", _record("good", [0], 2500, None)),
+            ("huge-pid", _record("huge-pid", [1], 10000, 2**40)),  # an older daemon accepted this
+            ("corrupt", b"\xc1\xc1 not msgpack"),
+            ("gone-gpu", _record("gone-gpu", [7], 10000, None)),  # the node has 2 GPUs now
+            ("bad-share", _record("bad-share", [1], 20000, None)),
+        ],
+    )
+    args = (
+        "--simulate",
+        "2x16GiB",
+        "--state-dir",
+        str(state),
+        "--config",
+        config(tmp_path, "reap_interval_s = 0.05\n"),
+    )
     for run in range(2):  # a restart comes up the same way, with nothing left to set aside
         d = DaemonProcess(*args).start()
         try:

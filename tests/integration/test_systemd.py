@@ -40,7 +40,9 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     d = units(tmp_path)
     out = subprocess.run(
         ["systemd-analyze", "verify", str(d / "gpud.service"), str(d / "gpud.socket")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     problems = [line for line in (out.stdout + out.stderr).splitlines() if "gpud" in line]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
@@ -51,7 +53,9 @@ def test_the_service_rates_at_most_2_0_exposure(tmp_path: Path) -> None:
     d = units(tmp_path)
     out = subprocess.run(
         ["systemd-analyze", "security", "--offline=yes", str(d / "gpud.service")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     m = re.search(r"Overall exposure level for gpud.service: ([0-9.]+)", out.stdout)
     assert m, out.stdout + out.stderr
@@ -60,8 +64,15 @@ def test_the_service_rates_at_most_2_0_exposure(tmp_path: Path) -> None:
 
 def test_the_units_keep_the_gpu_devices_reachable() -> None:
     text = (ROOT / "systemd" / "gpud.service").read_text()
-    for needed in ("Type=notify", "WatchdogSec=", "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/nvidiactl rw",
-                   "RuntimeDirectory=gpud", "StateDirectory=gpud", "ExecReload="):
+    for needed in (
+        "Type=notify",
+        "WatchdogSec=",
+        "DeviceAllow=char-nvidia-frontend rw",
+        "DeviceAllow=/dev/nvidiactl rw",
+        "RuntimeDirectory=gpud",
+        "StateDirectory=gpud",
+        "ExecReload=",
+    ):
         assert needed in text, needed
     sock = (ROOT / "systemd" / "gpud.socket").read_text()
     assert "SocketMode=0660" in sock and "SocketGroup=gpud" in sock
@@ -74,8 +85,11 @@ def _size(text: str) -> int:
 
 
 def test_the_unit_protects_the_node_from_gpud_and_gpud_from_the_oom_killer() -> None:
-    settings = dict(line.split("=", 1) for line in (ROOT / "systemd" / "gpud.service").read_text().splitlines()
-                    if "=" in line and not line.startswith("#"))
+    settings = dict(
+        line.split("=", 1)
+        for line in (ROOT / "systemd" / "gpud.service").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    )
     assert -1000 < int(settings["OOMScoreAdjust"]) < 0  # killed after the jobs, never made unkillable
     high, top = _size(settings["MemoryHigh"]), _size(settings["MemoryMax"])
     assert 256 * 2**20 <= high < top <= 4 * 2**30  # far above the soak's RSS, bounded all the same
@@ -104,7 +118,9 @@ def test_ready_status_watchdog_and_stopping(tmp_path: Path) -> None:
     env = {**os.environ, "NOTIFY_SOCKET": os.path.join(work, "notify"), "WATCHDOG_USEC": "200000"}
     proc = subprocess.Popen(
         [GPUD, "--socket", sock, "--simulate", "2", "--metrics-addr", "off", "--state-dir", work + "/state"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         ready = notify.wait_for("READY=1")
@@ -141,9 +157,24 @@ def test_socket_activation_serves_a_client() -> None:
         "os.execv(sys.argv[1], sys.argv[1:])\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", launcher, GPUD, "--socket", os.path.join(work, "unused.sock"), "--simulate", "1",
-         "--metrics-addr", "off", "--state-dir", work + "/state"],
-        pass_fds=(listener.fileno(),), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            GPUD,
+            "--socket",
+            os.path.join(work, "unused.sock"),
+            "--simulate",
+            "1",
+            "--metrics-addr",
+            "off",
+            "--state-dir",
+            work + "/state",
+        ],
+        pass_fds=(listener.fileno(),),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     listener.close()
     try:

@@ -46,8 +46,10 @@ def test_top_draws_refreshes_and_exits(daemon: DaemonProcess, key: bytes) -> Non
         if pid == 0:
             if key == b"\x03":  # as under a non-interactive shell's "&": SIGINT ignored, Ctrl-C must still work
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-            os.execv(sys.executable, [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "top",
-                                      "--interval", "0.2"])
+            os.execv(
+                sys.executable,
+                [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "top", "--interval", "0.2"],
+            )
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
         try:
             screen = read_until(fd, b"trainer")
@@ -79,8 +81,13 @@ def test_top_draws_refreshes_and_exits(daemon: DaemonProcess, key: bytes) -> Non
 
 def run_top(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     """gpuctl top as a script or a log runs it: stdout a pipe, stdin not a terminal."""
-    return subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "top", "--interval", "0.1", *args],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", daemon.socket, "top", "--interval", "0.1", *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
 
 
 def test_top_without_a_terminal_writes_plain_snapshots(daemon: DaemonProcess) -> None:
@@ -111,7 +118,12 @@ def test_top_json_is_one_line_per_refresh(daemon: DaemonProcess) -> None:
 
 
 def test_top_with_the_daemon_gone_says_so() -> None:
-    out = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", "/tmp/gpud-absent/gpud.sock", "top", "--json"],
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", "/tmp/gpud-absent/gpud.sock", "top", "--json"],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     assert (out.returncode, out.stdout) == (1, "")
     assert json.loads(out.stderr)["error"]["code"] == "unavailable"

@@ -33,10 +33,15 @@ def record(name: str, **extra: Any) -> dict[str, Any]:
     ctx = get_current_context()
     ti = ctx["ti"]
     data = {
-        "pid": os.getpid(), "ppid": os.getppid(), "try": ti.try_number, "run_id": ti.run_id,
-        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "task_env": os.environ.get("GPUD_TASK_ID"),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "try": ti.try_number,
+        "run_id": ti.run_id,
+        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "task_env": os.environ.get("GPUD_TASK_ID"),
         "order": os.environ.get("CUDA_DEVICE_ORDER"),
-        "affinity": sorted(os.sched_getaffinity(0)), **extra,
+        "affinity": sorted(os.sched_getaffinity(0)),
+        **extra,
     }
     out = Path(ctx["dag_run"].conf["out"])
     tmp = out / f".{name}.{ti.try_number}.tmp"
@@ -117,8 +122,13 @@ def gpud_fraction() -> None:
                 refused = ""
             except PermissionDenied as exc:
                 refused = str(exc)
-            allocated("fraction", core_limit=session.core_limit, mem_limit=session.mem_limit,
-                      memory_total=session.memory_total_bytes, refused=refused)
+            allocated(
+                "fraction",
+                core_limit=session.core_limit,
+                mem_limit=session.mem_limit,
+                memory_total=session.memory_total_bytes,
+                refused=refused,
+            )
             session.close()
 
     limited()
@@ -183,7 +193,9 @@ def gpud_classic() -> None:
         allocated(f"part{i}")
 
     echo = GpuBashOperator(
-        task_id="echo", gpus=1, cpus=1,
+        task_id="echo",
+        gpus=1,
+        cpus=1,
         bash_command='echo "$CUDA_VISIBLE_DEVICES $GPUD_TASK_ID $GPUD_CPUS" > "{{ dag_run.conf["out"] }}/bash.txt"',
     )
     inner_call() >> echo >> part.expand(i=[0, 1])
