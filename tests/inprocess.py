@@ -138,22 +138,31 @@ class Node:
         state_dir: str | None = None,
         clock: Callable[[], int] | None = None,
         registry: CollectorRegistry | None = None,
-        **config: Any,
+        config: Config | None = None,
+        restart_grace_us: int = 0,
+        **fields: Any,
     ) -> None:
         """``clock``: a ``FakeClock`` (the default) or the real one (``gpud.serving.state.now_us``) for a daemon
-        served on a real socket (``open_listener`` and ``serve``); ``config``: ``Config``'s fields."""
-        self.workdir = None if state_dir else tempfile.mkdtemp(prefix="gpud-inproc-")
+        served on a real socket (``open_listener`` and ``serve``). The configuration is ``config`` as it is
+        (a simulation's draw), or ``Config``'s defaults with these ``fields``, a socket nobody listens on,
+        no metrics endpoint, no reaping, and a state directory of its own unless ``state_dir`` is given.
+        ``restart_grace_us``: as after a crash (nothing is granted for that long)."""
+        if config is not None and (fields or state_dir):
+            raise ValueError("give a whole Config, or Config's fields and a state directory, not both")
+        self.workdir = None if state_dir or config else tempfile.mkdtemp(prefix="gpud-inproc-")
         settings: dict[str, Any] = {
             "socket": "/nonexistent/gpud.sock",
             "metrics_addr": "off",
             "reap_interval_s": 0,
             "state_dir": state_dir or os.path.join(self.workdir or "", "state"),
         }
-        self.config = Config(**(settings | config))
+        self.config = config or Config(**(settings | fields))
         self.clock = clock or FakeClock()
         self.registry = registry or CollectorRegistry()
         self.gpus: list[Gpu] = simulated_gpus(gpus)
-        self.daemon = Daemon(self.config, self.gpus, Metrics(self.registry), clock=self.clock)
+        self.daemon = Daemon(
+            self.config, self.gpus, Metrics(self.registry), clock=self.clock, restart_grace_us=restart_grace_us
+        )
         self.failing_writes = False  # the store refuses writes while True
         self.next_reap = self.clock()  # with reap_interval_s set: the first tick reaps, as the timer does at start
         real_write = self.daemon.allocations.store.write

@@ -1,4 +1,4 @@
-"""The whole daemon, simulated on fake time: a few hundred seeds of ``tests/sim/daemon_sim.py``.
+"""The whole daemon, simulated on fake time: many seeds of ``tests/sim/daemon_sim.py``.
 
 Each seed builds a real daemon with its SQLite store, drives it in process with
 simulated clients, client and daemon crashes and store failures, and checks every
@@ -7,12 +7,17 @@ reported with its last events and the one command that replays it exactly:
 
     .venv/bin/python -m tests.sim.daemon_sim --seed N
 
-More seeds: ``.venv/bin/python -m tests.sim.daemon_sim --seeds 2000``.
+The default run covers seeds 0..63 (400 steps each); ``GPUD_SIM_SEEDS=N`` runs
+seeds 0..N-1 instead, split into up to eight tests (``GPUD_SIM_SEEDS=320``: forty seeds
+each). More seeds outside pytest:
+``.venv/bin/python -m tests.sim.daemon_sim --seeds 2000``.
 The per-scheduler simulation (tests/core/test_scheduler_sim.py) stays; this one
 covers the shell around the schedulers too.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -21,16 +26,22 @@ try:
 except ImportError:  # run by the pytest script: tests/ is on the path, the repository root is not
     from sim.daemon_sim import DEFAULT_STEPS, run_seed  # type: ignore[no-redef]
 
-SEEDS = 320  # x DEFAULT_STEPS (400) steps: about 40 s on a 2-core machine
-CHUNK = 40  # seeds per test, so a failure names its range and the rest still run
+SEEDS = int(os.environ.get("GPUD_SIM_SEEDS", "64"))  # x DEFAULT_STEPS (400) steps: about 15 s on a 2-core machine
+TESTS = 8
+CHUNK = max(1, -(-SEEDS // TESTS))  # seeds per test, so a failure names its range and the rest still run
 
 
-@pytest.mark.parametrize("first", range(0, SEEDS, CHUNK), ids=lambda first: f"seeds{first}-{first + CHUNK - 1}")
+@pytest.mark.parametrize(
+    "first", range(0, SEEDS, CHUNK), ids=lambda first: f"seeds{first}-{min(first + CHUNK, SEEDS) - 1}"
+)
 def test_the_daemon_keeps_every_invariant(first: int) -> None:
     failed = [out for seed in range(first, min(first + CHUNK, SEEDS)) if not (out := run_seed(seed, DEFAULT_STEPS)).ok]
     if failed:
         others = ", ".join(str(out.seed) for out in failed[1:])
         pytest.fail(
-            f"{len(failed)} seed(s) failed" + (f" (also {others})" if others else "") + "; the first:\n" + failed[0].report,
+            f"{len(failed)} seed(s) failed"
+            + (f" (also {others})" if others else "")
+            + "; the first:\n"
+            + failed[0].report,
             pytrace=False,
         )

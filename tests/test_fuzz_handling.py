@@ -18,11 +18,14 @@ and the store holds what the ledger holds; no fault was counted (every bad
 input must be answered as the peer's error); and every frame the daemon wrote
 decodes as a DaemonMessage addressed to the connection that got it.
 
-``pytest --hypothesis-show-statistics`` shows which answers the examples got.
+The default run draws 200 examples; ``GPUD_FUZZ_EXAMPLES=N`` draws N (500 is a
+thorough run). ``pytest --hypothesis-show-statistics`` shows which answers the
+examples got.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -31,28 +34,33 @@ import traceback
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 import structlog
-import trio
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
+from inprocess import FakeClock, Node  # tests/ is on the path of its top-level modules
 
 from gpud.core.errors import Refused
 from gpud.core.ledger import UNIT
 from gpud.host.config import Config, TenantConfig
 from gpud.host.devices import simulated_gpus
-from gpud.host.metrics import FAULT_PLACES, Metrics
+from gpud.host.metrics import FAULT_PLACES
 from gpud.serving.connections import handle_payload
-from gpud.serving.server import Daemon
+from gpud.serving.timers import tick_allocations, tick_gpu
 from gpud_client import protocol as p
+
+try:
+    from tests.sim.daemon_sim import scratch_root
+except ImportError:  # run by the pytest script: tests/ is on the path, the repository root is not
+    from sim.daemon_sim import scratch_root  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from gpud.serving.state import ClientLink
 
 GIB = 2**30
+EXAMPLES = int(os.environ.get("GPUD_FUZZ_EXAMPLES", "200"))  # about 15 s on a 2-core machine
 MAX_PEERS = 4
 MAX_STEPS = 120
 ANOTHER_STEP = [False] + [True] * 39  # 40 steps on average
@@ -67,26 +75,81 @@ TASK_TYPES = ["OTHER", "ASR", "SEMANTIC_REPAIR", "X1", "new.type"]
 MEMORY = [None, 0, 1, GIB, 8 * GIB, 15 * GIB, 2**62]
 PRIORITIES = [0, 0, 10, 50, 51, 80, 100]
 EXTREMES: list[Any] = [
-    2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63), 0, 2**62 + 1, 2**53 + 1, float("nan"), float("inf"),
-    float("-inf"), 1e308, -1e308, -0.0, 5e-324, "\x00\x07\x1b[2J", "\u202e\x85", "x" * 5000, [0] * 1025,
-    {f"k{i}": "v" for i in range(33)}, "gpu:" + "9" * 90,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    -1,
+    -(2**63),
+    0,
+    2**62 + 1,
+    2**53 + 1,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e308,
+    -1e308,
+    -0.0,
+    5e-324,
+    "\x00\x07\x1b[2J",
+    "\u202e\x85",
+    "x" * 5000,
+    [0] * 1025,
+    {f"k{i}": "v" for i in range(33)},
+    "gpu:" + "9" * 90,
 ]
 CONFUSED: list[Any] = ["1", "", 1.5, True, False, None, [], {}, b"\x00\x01", [1, [2, [3]]], {"type": "HELLO"}]
 # Two mixes, drawn per example: everything at once, or mostly well-behaved clients contending
 # for the GPUs (so that queues fill, quanta expire and holders are dropped and revoked).
 STEPS = {
-    "chaos": ["valid"] * 8 + ["extreme", "confused", "malformed", "flood", "open", "close", "drop", "hang_up"]
+    "chaos": ["valid"] * 8
+    + ["extreme", "confused", "malformed", "flood", "open", "close", "drop", "hang_up"]
     + ["settle", "advance", "allocator", "time", "time"],
     "busy": ["valid"] * 14 + ["time"] * 2 + ["settle", "advance", "allocator", "extreme", "open", "close"],
 }
 VALID = {
-    "chaos": ["NEXT"] * 8 + ["ATTACH", "LOCK_REQUEST", "LOCK_RELEASED", "ACQUIRE", "RELEASE", "FREE"] * 2
-    + ["ALLOCATE"] * 4 + ["DETACH", "MEM_UPDATE", "SET_LIMITS", "HELLO", "SET_MODE", "SCHED_ON", "SCHED_OFF"]
+    "chaos": ["NEXT"] * 8
+    + ["ATTACH", "LOCK_REQUEST", "LOCK_RELEASED", "ACQUIRE", "RELEASE", "FREE"] * 2
+    + ["ALLOCATE"] * 4
+    + ["DETACH", "MEM_UPDATE", "SET_LIMITS", "HELLO", "SET_MODE", "SCHED_ON", "SCHED_OFF"]
     + ["SET_TQ", "REPORT_OOM", "LEASES", "SET_POLICY", "POLICIES", "ALLOCS", "RESET_ALLOCS", "STATUS", "CLIENTS"],
-    "busy": ["NEXT"] * 12 + ["ACQUIRE", "ALLOCATE"] * 2
+    "busy": ["NEXT"] * 12
+    + ["ACQUIRE", "ALLOCATE"] * 2
     + ["RELEASE", "FREE", "DETACH", "SET_LIMITS", "SET_MODE", "SCHED_OFF", "SCHED_ON", "STATUS", "LEASES"],
 }
 SESSION_PUSHES = (p.LockOk, p.DropLock, p.Revoked, p.LimitsChanged, p.MemLimitExceeded)
+
+
+T = TypeVar("T")
+
+# Every draw names its strategy. Hypothesis validates and labels a strategy object the first time
+# it is drawn from, so the same strategy is built once and kept, not built again for each draw.
+BOOLEANS = st.booleans()
+_SAMPLED: dict[tuple[tuple[type, Any], ...], st.SearchStrategy[Any]] = {}
+
+
+def sampled_from(values: Sequence[T]) -> st.SearchStrategy[T]:
+    """``st.sampled_from(values)``, kept for values that are all hashable (floats by their repr, so
+    that 0.0 and -0.0 stay apart; every value with its type, so that 1 and True do)."""
+    try:
+        key = tuple((type(v), repr(v) if type(v) is float else v) for v in values)
+        strategy = _SAMPLED.get(key)
+    except TypeError:  # an unhashable value (a list, a dict): built for this draw alone
+        return st.sampled_from(values)
+    if strategy is None:
+        if len(_SAMPLED) > 10_000:
+            _SAMPLED.clear()
+        strategy = _SAMPLED[key] = st.sampled_from(tuple(values))
+    return cast("st.SearchStrategy[T]", strategy)
+
+
+@functools.cache
+def integers(min_value: int, max_value: int) -> st.SearchStrategy[int]:
+    return st.integers(min_value, max_value)
+
+
+@functools.cache
+def binary(*, min_size: int = 0, max_size: int) -> st.SearchStrategy[bytes]:
+    return st.binary(min_size=min_size, max_size=max_size)
 
 
 @dataclass(eq=False)
@@ -119,25 +182,16 @@ def _samples(metric: Any) -> list[Any]:
     return [s for family in metric.collect() for s in family.samples]
 
 
-class FakeClock:
-    """The daemon's clock (``Daemon(clock=...)``): the test moves time, so every run of an
-    example sees the same daemon (with the real clock Hypothesis's data generation is
-    flaky), and deadlines seconds away pass at once."""
-
-    def __init__(self) -> None:
-        self.us = 10**12
-
-    def __call__(self) -> int:
-        return self.us
-
-
 class Fuzz:
     def __init__(self, data: st.DataObject, config: Config, clock: FakeClock) -> None:
         self.data = data
         self.clock = clock
-        self.mix = data.draw(st.sampled_from(sorted(STEPS)), label="mix")
-        self.registry = CollectorRegistry()
-        self.daemon = Daemon(config, simulated_gpus("2x16GiB"), Metrics(self.registry), clock=clock)
+        self.mix = data.draw(sampled_from(sorted(STEPS)), label="mix")
+        # The in-process daemon (tests/inprocess.py) on the test's clock: every run of an example sees the
+        # same daemon (with the real clock Hypothesis's data generation is flaky), and deadlines pass at once.
+        self.node = Node("2x16GiB", config=config, clock=clock)
+        self.registry = self.node.registry
+        self.daemon = self.node.daemon
         assert self.daemon.started_at == clock.us, "the fake clock is not the daemon's"
         self.daemon.allocations.ledger._rng.seed(0)  # the "random" strategy's choices, the same every run
         self.peers: list[Peer] = []
@@ -151,32 +205,33 @@ class Fuzz:
         return self.data.draw(strategy, label=label)
 
     def choose(self, label: str, known: set[Any], made_up: list[Any]) -> Any:
-        return self.draw(st.sampled_from(sorted(known, key=repr) + made_up), label)
+        return self.draw(sampled_from(sorted(known, key=repr) + made_up), label)
 
     # --- connections ----------------------------------------------------------
 
     def open_peer(self) -> Peer:
-        uid, gid = self.draw(st.sampled_from(CREDENTIALS), "uid/gid")
-        pid = self.draw(st.sampled_from([os.getpid(), 1, p.PID_MAX]), "pid")
-        groups = self.draw(st.sampled_from([frozenset(), frozenset({gid, 4242})]), "groups")
-        reads = self.draw(st.booleans(), "reads its answers")
+        uid, gid = self.draw(sampled_from(CREDENTIALS), "uid/gid")
+        pid = self.draw(sampled_from([os.getpid(), 1, p.PID_MAX]), "pid")
+        groups = self.draw(sampled_from([frozenset(), frozenset({gid, 4242})]), "groups")
+        reads = self.draw(BOOLEANS, "reads its answers")
         a, b = socket.socketpair()
         a.setblocking(False)
         b.setblocking(False)
-        if self.draw(st.booleans(), "small socket buffer"):
+        if self.draw(BOOLEANS, "small socket buffer"):
             a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        peer = Peer(self.daemon.links.open((pid, uid, gid), groups, a.fileno(), trio.CancelScope()), a, b, reads)
+        conn = self.node.connect(uid=uid, gid=gid, groups=groups, pid=pid, fd=a.fileno(), hello=False).conn
+        peer = Peer(conn, a, b, reads)
         self.peers.append(peer)
         note(f"open client {peer.conn.client_id}: uid {uid} pid {pid} reads={reads}")
-        if self.draw(st.sampled_from([True] * 5 + [False]), "HELLO first"):
-            name = self.draw(st.sampled_from(NAMES), "name")
+        if self.draw(sampled_from([True] * 5 + [False]), "HELLO first"):
+            name = self.draw(sampled_from(NAMES), "name")
             self.feed(peer, msgspec.msgpack.encode(p.Hello(id=0, version=p.PROTOCOL_VERSION, name=name)))
         return peer
 
     def pick_peer(self) -> Peer:
         if not self.peers:
             return self.open_peer()
-        return self.peers[self.draw(st.integers(0, len(self.peers) - 1), "connection")]
+        return self.peers[self.draw(integers(0, len(self.peers) - 1), "connection")]
 
     def feed(self, peer: Peer, payload: bytes) -> None:
         rid = _request_id(payload)
@@ -192,7 +247,7 @@ class Fuzz:
     def flood(self, peer: Peer) -> None:
         """One payload pipelined many times, fed as ``_read_loop`` feeds a batch: it stops at a
         closing connection and where answers pile up above the high-water mark (it would wait)."""
-        payload, times = self.payload(peer), self.draw(st.sampled_from([10, 60, 200]), "times")
+        payload, times = self.payload(peer), self.draw(sampled_from([10, 60, 200]), "times")
         note(f"client {peer.conn.client_id} pipelines the next payload {times} times")
         for _ in range(times):
             conn = peer.conn
@@ -273,16 +328,16 @@ class Fuzz:
     # --- payloads -------------------------------------------------------------
 
     def gpu(self, label: str = "gpu") -> int | str:
-        return self.draw(st.sampled_from(GPU_REFS), label)
+        return self.draw(sampled_from(GPU_REFS), label)
 
     def maybe(self, label: str, values: list[Any]) -> Any:
-        return self.draw(st.sampled_from([None, *values]), label)
+        return self.draw(sampled_from([None, *values]), label)
 
     def session(self, peer: Peer) -> int:
         """Mostly one of the peer's own sessions; else one seen anywhere, or made up."""
         own = sorted(peer.conn.sessions)
-        if own and self.draw(st.sampled_from([True, True, True, False]), "own session"):
-            return self.draw(st.sampled_from(own), "session")
+        if own and self.draw(sampled_from([True, True, True, False]), "own session"):
+            return self.draw(sampled_from(own), "session")
         return self.choose("session", self.sessions | set(self.daemon.links.owners), [1, 2, 50, 2**63 - 1])
 
     def grant(self, peer: Peer, sid: int) -> int | None:
@@ -297,20 +352,20 @@ class Fuzz:
     def next_call(self, peer: Peer, rid: int) -> msgspec.Struct | None:
         """What a well-behaved client does next with one of its sessions (None: it has none)."""
         sessions = sorted(s for s in peer.conn.sessions if not self.daemon.leases.owns(s))
-        if not sessions or self.draw(st.sampled_from([False, False, True]), "one more session"):
+        if not sessions or self.draw(sampled_from([False, False, True]), "one more session"):
             return None
-        sid = self.draw(st.sampled_from(sessions), "own session")
+        sid = self.draw(sampled_from(sessions), "own session")
         v = self.daemon.slots[peer.conn.sessions[sid]].scheduler.session(sid, self.clock())
         if v.state == "idle":
             return p.LockRequest(id=rid, session=sid)
-        if v.state == "holding" and self.draw(st.booleans(), "release it now"):
+        if v.state == "holding" and self.draw(BOOLEANS, "release it now"):
             return p.LockReleased(id=rid, session=sid, grant=v.grant)
-        used = self.draw(st.sampled_from([GIB, 8 * GIB, 15 * GIB]), "used_bytes")
+        used = self.draw(sampled_from([GIB, 8 * GIB, 15 * GIB]), "used_bytes")
         return p.MemUpdate(id=rid, session=sid, used_bytes=used)  # holding on, or waiting
 
     def valid(self, peer: Peer) -> msgspec.Struct:
-        d, rid = self.draw, self.draw(st.sampled_from([1, 2, 3, 0, 2**63 - 1]), "id")
-        kind = d(st.sampled_from(VALID[self.mix]), "message")
+        d, rid = self.draw, self.draw(sampled_from([1, 2, 3, 0, 2**63 - 1]), "id")
+        kind = d(sampled_from(VALID[self.mix]), "message")
         ids = {"id": rid}
         if kind == "NEXT":
             follow_up = self.next_call(peer, rid)
@@ -319,15 +374,15 @@ class Fuzz:
             kind = "ATTACH"
         match kind:
             case "HELLO":
-                labels = d(st.sampled_from([{}, {"task_id": "t1"}, {"task_id": "nope"}, {"k": "v"}]), "labels")
-                version = d(st.sampled_from([1, 0, 2, 2**63]), "version")
-                return p.Hello(**ids, version=version, name=d(st.sampled_from(NAMES), "name"), labels=labels)
+                labels = d(sampled_from([{}, {"task_id": "t1"}, {"task_id": "nope"}, {"k": "v"}]), "labels")
+                version = d(sampled_from([1, 0, 2, 2**63]), "version")
+                return p.Hello(**ids, version=version, name=d(sampled_from(NAMES), "name"), labels=labels)
             case "ATTACH":
                 return p.Attach(
-                    **ids, gpu=self.gpu(), priority=d(st.sampled_from(PRIORITIES), "priority"),
-                    core_limit=d(st.sampled_from([100, 1, 30]), "core_limit"),
-                    mem_limit=d(st.sampled_from(MEMORY), "mem_limit"),
-                    mem_estimate=d(st.sampled_from(MEMORY), "mem_estimate"), task_id=self.maybe("task_id", TASK_IDS),
+                    **ids, gpu=self.gpu(), priority=d(sampled_from(PRIORITIES), "priority"),
+                    core_limit=d(sampled_from([100, 1, 30]), "core_limit"),
+                    mem_limit=d(sampled_from(MEMORY), "mem_limit"),
+                    mem_estimate=d(sampled_from(MEMORY), "mem_estimate"), task_id=self.maybe("task_id", TASK_IDS),
                 )  # fmt: skip
             case "DETACH":
                 return p.Detach(**ids, session=self.session(peer))
@@ -337,7 +392,7 @@ class Fuzz:
                 sid = self.session(peer)
                 return p.LockReleased(**ids, session=sid, grant=self.grant(peer, sid))
             case "MEM_UPDATE":
-                used = d(st.sampled_from([0, GIB, 8 * GIB, 16 * GIB, 2**62]), "used_bytes")
+                used = d(sampled_from([0, GIB, 8 * GIB, 16 * GIB, 2**62]), "used_bytes")
                 return p.MemUpdate(**ids, session=self.session(peer), used_bytes=used)
             case "SET_LIMITS":
                 others = {q.conn.client_id for q in self.peers}
@@ -348,19 +403,19 @@ class Fuzz:
                                    core_limit=self.maybe("core_limit", [1, 50, 100]),
                                    mem_limit=self.maybe("mem_limit", [0, 1, GIB, 2**62]))  # fmt: skip
             case "SET_MODE":
-                mode = d(st.sampled_from(list(p.Mode)), "mode")
+                mode = d(sampled_from(list(p.Mode)), "mode")
                 return p.SetMode(**ids, mode=mode, gpu=self.maybe("gpu", [0, 1, 7]))
             case "SCHED_ON":
                 return p.SchedOn(**ids, gpu=self.maybe("gpu", [0, 1, 7]))
             case "SCHED_OFF":
                 return p.SchedOff(**ids, gpu=self.maybe("gpu", [0, 1, 7]))
             case "SET_TQ":
-                seconds = d(st.sampled_from([0.001, 0.002, 0.5, 30.0, 86400.0]), "seconds")
+                seconds = d(sampled_from([0.001, 0.002, 0.5, 30.0, 86400.0]), "seconds")
                 return p.SetTq(**ids, seconds=seconds, gpu=self.maybe("gpu", [0, 1, 7]))
             case "ACQUIRE":
-                trace = d(st.sampled_from([p.Trace(), p.Trace(job_id="j", utterance_index=2**53, stage="s")]), "trace")
+                trace = d(sampled_from([p.Trace(), p.Trace(job_id="j", utterance_index=2**53, stage="s")]), "trace")
                 return p.Acquire(
-                    **ids, gpu=self.gpu(), task_type=d(st.sampled_from(TASK_TYPES), "task_type"),
+                    **ids, gpu=self.gpu(), task_type=d(sampled_from(TASK_TYPES), "task_type"),
                     priority=self.maybe("priority", PRIORITIES),
                     max_wait_ms=self.maybe("max_wait_ms", [0, 2, 50, 86_400_000]),
                     hold_max_ms=self.maybe("hold_max_ms", [1, 5, 8000]),
@@ -370,12 +425,12 @@ class Fuzz:
                 )  # fmt: skip
             case "RELEASE":
                 lease = self.choose("lease_id", self.leases | set(self.daemon.leases.by_id), ["nope", "abc-1"])
-                return p.Release(**ids, lease_id=lease, quiet=d(st.booleans(), "quiet"))
+                return p.Release(**ids, lease_id=lease, quiet=d(BOOLEANS, "quiet"))
             case "REPORT_OOM":
-                return p.ReportOom(**ids, gpu=self.gpu(), task_type=d(st.sampled_from(TASK_TYPES), "task_type"))
+                return p.ReportOom(**ids, gpu=self.gpu(), task_type=d(sampled_from(TASK_TYPES), "task_type"))
             case "SET_POLICY":
                 return p.SetPolicy(
-                    **ids, task_type=d(st.sampled_from(TASK_TYPES), "task_type"),
+                    **ids, task_type=d(sampled_from(TASK_TYPES), "task_type"),
                     priority=self.maybe("priority", PRIORITIES),
                     busy_policy=self.maybe("busy_policy", list(p.BusyPolicy)),
                     max_wait_ms=self.maybe("max_wait_ms", [0, 5, 3000]),
@@ -385,14 +440,14 @@ class Fuzz:
             case "ALLOCATE":
                 return p.Allocate(
                     **ids, task_id=self.choose("task_id", self.tasks, TASK_IDS),
-                    gpus=d(st.sampled_from([1.0, 0.5, 0.25, 0.3333, 1.0, 2.0, 0.0, 3.0, 1.5, 1e-5, 5e-324, 1e3]),
+                    gpus=d(sampled_from([1.0, 0.5, 0.25, 0.3333, 1.0, 2.0, 0.0, 3.0, 1.5, 1e-5, 5e-324, 1e3]),
                            "gpus"),
-                    cpus=d(st.sampled_from([0, 1, 0, 2, 3, 100_000]), "cpus"),
-                    prefer=d(st.sampled_from([[], [], [1], [0, 1, 1], ["gpu:5"]]), "prefer"),
-                    strategy=d(st.sampled_from(list(p.Strategy)), "strategy"),
+                    cpus=d(sampled_from([0, 1, 0, 2, 3, 100_000]), "cpus"),
+                    prefer=d(sampled_from([[], [], [1], [0, 1, 1], ["gpu:5"]]), "prefer"),
+                    strategy=d(sampled_from(list(p.Strategy)), "strategy"),
                     tenant=self.maybe("tenant", ["team", "nope"]), priority=self.maybe("priority", PRIORITIES),
                     priority_class=self.maybe("priority_class", [None, None, *p.PriorityClass]),
-                    wait_ms=d(st.sampled_from([0, 5, 1000, 5000]), "wait_ms"),
+                    wait_ms=d(sampled_from([0, 5, 1000, 5000]), "wait_ms"),
                     owner_pid=self.maybe("owner_pid", [os.getpid(), p.PID_MAX]),
                 )  # fmt: skip
             case "FREE":
@@ -404,37 +459,37 @@ class Fuzz:
     def mutated(self, peer: Peer, values: list[Any]) -> bytes:
         """A valid message as a raw map with one to three fields replaced (or added)."""
         raw = msgspec.to_builtins(self.valid(peer))
-        for _ in range(self.draw(st.integers(1, 3), "fields changed")):
-            key = self.draw(st.sampled_from(sorted(raw) + ["extra"]), "field")
-            raw[key] = self.draw(st.sampled_from(values), "value")
+        for _ in range(self.draw(integers(1, 3), "fields changed")):
+            key = self.draw(sampled_from(sorted(raw) + ["extra"]), "field")
+            raw[key] = self.draw(sampled_from(values), "value")
         return msgspec.msgpack.encode(raw)
 
     def malformed(self, peer: Peer) -> bytes:
         kinds = ["random", "truncated", "nested", "non-map", "no-type", "bad-type", "trailing", "raw"]
-        kind = self.draw(st.sampled_from(kinds), "malformed")
+        kind = self.draw(sampled_from(kinds), "malformed")
         match kind:
             case "random":
-                return self.draw(st.binary(max_size=48), "bytes")
+                return self.draw(binary(max_size=48), "bytes")
             case "truncated":
                 whole = msgspec.msgpack.encode(self.valid(peer))
-                return whole[: self.draw(st.integers(0, len(whole) - 1), "cut at")]
+                return whole[: self.draw(integers(0, len(whole) - 1), "cut at")]
             case "nested":
-                depth = self.draw(st.sampled_from([10, 1000, 20_000, 65_000]), "depth")
-                opener = self.draw(st.sampled_from([b"\x91", b"\x81\xa1a", b"\xdc\x00\x01"]), "opener")
+                depth = self.draw(sampled_from([10, 1000, 20_000, 65_000]), "depth")
+                opener = self.draw(sampled_from([b"\x91", b"\x81\xa1a", b"\xdc\x00\x01"]), "opener")
                 return opener * (depth // len(opener)) + b"\x00"
             case "non-map":
                 values = [0, -1, 2**64 - 1, 1.5, "HELLO", [], ["HELLO", 1], None, True, b"x"]
-                return msgspec.msgpack.encode(self.draw(st.sampled_from(values), "value"))
+                return msgspec.msgpack.encode(self.draw(sampled_from(values), "value"))
             case "no-type":
                 return msgspec.msgpack.encode({"id": 1, "session": 1})
             case "bad-type":
                 tags = [1, None, "", "hello", "WELCOME", "ERROR", "X" * 1000, "HELLO\x00"]
-                return msgspec.msgpack.encode({"type": self.draw(st.sampled_from(tags), "type"), "id": 1})
+                return msgspec.msgpack.encode({"type": self.draw(sampled_from(tags), "type"), "id": 1})
             case "trailing":
-                trailer = self.draw(st.binary(min_size=1, max_size=8), "trailer")
+                trailer = self.draw(binary(min_size=1, max_size=8), "trailer")
                 return msgspec.msgpack.encode(self.valid(peer)) + trailer
         return self.draw(
-            st.sampled_from([
+            sampled_from([
                 b"", b"\xc1", b"\x81\xa4type\xa2\xff\xfe", b"\x81\x01\x02", b"\x82\xa4type\xa5HELLO\xa4type\xa4STOP",
                 msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"x")), b"\x81\xa4type\xc4\x05HELLO",
                 b"\x83\xa4type\xa5HELLO\xa2id\x01\xa7version\xcf\xff\xff\xff\xff\xff\xff\xff\xff",
@@ -443,7 +498,7 @@ class Fuzz:
         )  # fmt: skip
 
     def payload(self, peer: Peer, kind: str | None = None) -> bytes:
-        kind = kind or self.draw(st.sampled_from(["valid", "extreme", "confused", "malformed"]), "payload")
+        kind = kind or self.draw(sampled_from(["valid", "extreme", "confused", "malformed"]), "payload")
         if kind == "extreme":
             return self.mutated(peer, EXTREMES)
         if kind == "confused":
@@ -455,7 +510,7 @@ class Fuzz:
     # --- steps ----------------------------------------------------------------
 
     async def step(self) -> None:
-        kind = self.draw(st.sampled_from(STEPS[self.mix]), "step")
+        kind = self.draw(sampled_from(STEPS[self.mix]), "step")
         if (kind == "open" and len(self.peers) < MAX_PEERS) or not self.peers:
             self.open_peer()
         elif kind in ("valid", "extreme", "confused", "malformed", "open"):  # "open" with MAX_PEERS open
@@ -492,14 +547,12 @@ class Fuzz:
         if kind == "settle":
             d.settle_all(now)
         elif kind == "advance":
-            slot = d.slots[self.draw(st.integers(0, len(d.slots) - 1), "gpu")]
-            d.effects.carry_out(slot.scheduler.advance(now), now, slot)
+            slot = d.slots[self.draw(integers(0, len(d.slots) - 1), "gpu")]
+            tick_gpu(d, slot, now)
         elif kind == "allocator":
-            d.allocations.advance(now)
-            if self.draw(st.booleans(), "reap"):
-                d.allocations.reap(now)
+            tick_allocations(d, now, reap=self.draw(BOOLEANS, "reap"))
         else:
-            self.clock.us += self.draw(st.sampled_from(SLEEPS_US), "time passes (us)")
+            self.clock.us += self.draw(sampled_from(SLEEPS_US), "time passes (us)")
 
     # --- invariants -------------------------------------------------------------
 
@@ -532,7 +585,9 @@ class Fuzz:
             assert sessions == owned, f"GPU {slot.gpu.index}: {sessions} sessions in its scheduler, {owned} owned"
         for peer in self.closed:
             conn = peer.conn
-            assert not conn.sessions and conn not in d.links.owners.values(), f"closed client {conn.client_id} owns something"
+            assert not conn.sessions and conn not in d.links.owners.values(), (
+                f"closed client {conn.client_id} owns something"
+            )
         self.check_arbiter(open_conns)
         self.check_allocator(open_conns)
         faults = [s for s in _samples(d.metrics.node.faults) if s.name.endswith("_total") and s.value]
@@ -581,7 +636,10 @@ class Fuzz:
         assert not self.daemon.links.owners and not self.daemon.leases.by_sid and not self.daemon.allocations.waiters
         for slot in self.daemon.slots:
             assert slot.scheduler.view(self.clock()).sessions == 0
-        faults = {s.labels["where"]: s.value for f in self.registry.collect() if f.name == "gpud_faults"
+        # What a scrape of the registry shows (restricted to this series: collecting every family
+        # for each example was a good part of the test's time).
+        scrape = self.registry.restricted_registry(["gpud_faults_total"]).collect()
+        faults = {s.labels["where"]: s.value for f in scrape if f.name == "gpud_faults"
                   for s in f.samples if s.name == "gpud_faults_total"}  # fmt: skip
         assert set(FAULT_PLACES) <= set(faults) and not any(faults.values()), f"faults counted: {faults}"
 
@@ -601,10 +659,10 @@ def fuzz_config(data: st.DataObject, state_dir: str) -> Config:
         max_sessions_per_connection=4, max_lock_queue=3, max_allocation_waiters=2, lease_queue_limit=3,
         outbox_limit_bytes=65536, outbox_high_water_bytes=65536, priority_max_uids={"1001": 80},
         tenants={"team": TenantConfig(gpus=1.0, borrow=0.5, uids=[1000])},
-        tq_s=d(st.sampled_from([0.002, 30.0]), label="tq_s"),
-        drop_timeout_s=d(st.sampled_from([0.003, 10.0]), label="drop_timeout_s"),
-        mode=d(st.sampled_from(list(p.Mode)), label="mode"),
-        lease_force_release=d(st.booleans(), label="lease_force_release"),
+        tq_s=d(sampled_from([0.002, 30.0]), label="tq_s"),
+        drop_timeout_s=d(sampled_from([0.003, 10.0]), label="drop_timeout_s"),
+        mode=d(sampled_from(list(p.Mode)), label="mode"),
+        lease_force_release=d(BOOLEANS, label="lease_force_release"),
         compute_window_s=0.1, quota_sample_interval_s=0.001,
     )  # fmt: skip
 
@@ -618,22 +676,22 @@ def _faults(logs: Sequence[Mapping[str, Any]]) -> str:
 
 
 @settings(
-    max_examples=500, deadline=None, derandomize=True, database=None, print_blob=False,
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=False,
     phases=[Phase.explicit, Phase.generate, Phase.shrink],  # no explain phase: it takes a minute and adds nothing
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )  # fmt: skip
 @given(data=st.data())
 async def test_request_handling_survives_anything(data: st.DataObject) -> None:
-    state_dir = tempfile.mkdtemp(prefix="gpud-fuzz-")
+    state_dir = tempfile.mkdtemp(prefix="gpud-fuzz-", dir=scratch_root())
     try:
         clock = FakeClock()
         with structlog.testing.capture_logs() as logs:
             fuzz = Fuzz(data, fuzz_config(data, state_dir), clock)
             try:
-                for _ in range(data.draw(st.integers(1, MAX_PEERS), label="connections at start")):
+                for _ in range(data.draw(integers(1, MAX_PEERS), label="connections at start")):
                     fuzz.open_peer()
                 for _ in range(MAX_STEPS):  # a flag per step, not a count first: shrinking can drop steps
-                    if not data.draw(st.sampled_from(ANOTHER_STEP), label="another step"):
+                    if not data.draw(sampled_from(ANOTHER_STEP), label="another step"):
                         break
                     await fuzz.step()
                     fuzz.check()

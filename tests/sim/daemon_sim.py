@@ -75,7 +75,6 @@ import contextlib
 import dataclasses
 import enum
 import heapq
-import inspect
 import itertools
 import os
 import random
@@ -92,19 +91,22 @@ from typing import Any, NoReturn
 import msgspec
 import structlog
 import trio
-from prometheus_client import CollectorRegistry
 
 from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient
 from gpud.host.config import Config, PolicyConfig, TenantConfig
-from gpud.host.devices import simulated_gpus
-from gpud.host.metrics import Metrics
 from gpud.host.store import Store, StoreError
 from gpud.serving.connections import handle_payload
 from gpud.serving.server import Daemon
 from gpud.serving.state import ClientLink
+from gpud.serving.timers import tick_allocations, tick_gpu
 from gpud_client import protocol as p
+
+try:
+    from inprocess import Node  # run by pytest: tests/ is on the path
+except ImportError:  # python -m tests.sim.daemon_sim, from the repository root
+    from tests.inprocess import Node
 
 DEFAULT_STEPS = 400
 TRACE_LINES = 30
@@ -115,11 +117,14 @@ SIM_CPUS = 4  # the CPU cores the daemon's ledger sees, whatever this machine ha
 ADMIN_UID = os.getuid()  # the daemon's own uid: an admin (so is 0)
 USERS = [u for u in (1000, 1001, 1002, 1003) if u != ADMIN_UID][:3]  # non-admins
 MAX_CLIENTS = 7
-HAS_GRACE = "restart_grace_us" in inspect.signature(Daemon.__init__).parameters
 KINDS = ["good", "good", "good", "slow", "slow", "stubborn", "abandoner", "crashy", "crashy"]
 # The longest a client of each kind keeps a lease before giving it back (None: never).
 LEASE_HOLD_MAX_US: dict[str, int | None] = {
-    "good": 20 * MS, "slow": 60 * MS, "stubborn": 60 * MS, "crashy": 20 * MS, "abandoner": None,
+    "good": 20 * MS,
+    "slow": 60 * MS,
+    "stubborn": 60 * MS,
+    "crashy": 20 * MS,
+    "abandoner": None,
 }
 TASK_TYPES = ["ASR", "NMT", "SEMANTIC_REPAIR", "OTHER", "BATCH", "TTS"]
 SHARED_TASKS = ["shared-1", "shared-2"]  # task ids several uids ask for
@@ -255,10 +260,7 @@ class GpuNow:
     leases: list[tuple[Client, LeaseM]]
     lease_sids: set[int]
     waiting_leases: list[int]  # sids of leases waiting for this GPU
-
-    @property
-    def runnable(self) -> list[Any]:
-        return [w for w in self.view.queue if not w.throttled]
+    runnable: list[Any]  # the queue's waiters that are not throttled
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -269,10 +271,16 @@ def draw_config(rng: random.Random, state_dir: str) -> Config:
         "ASR": PolicyConfig(priority=90, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 50, 300])),
         "SEMANTIC_REPAIR": PolicyConfig(priority=20, busy_policy=p.BusyPolicy.SKIP, max_wait_ms=rng.choice([0, 40])),
         # reserved: its priority is this uid's alone; anyone else but an admin is refused it
-        "TTS": PolicyConfig(priority=70, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 100]),
-                            uids=USERS[-1:]),
-        "BATCH": PolicyConfig(priority=30, busy_policy=p.BusyPolicy.FALLBACK_CPU, max_wait_ms=rng.choice([5, 100]),
-                              queue_limit=rng.choice([None, 1]), hold_max_ms=rng.choice([None, 15])),
+        "TTS": PolicyConfig(
+            priority=70, busy_policy=p.BusyPolicy.WAIT, max_wait_ms=rng.choice([10, 100]), uids=USERS[-1:]
+        ),
+        "BATCH": PolicyConfig(
+            priority=30,
+            busy_policy=p.BusyPolicy.FALLBACK_CPU,
+            max_wait_ms=rng.choice([5, 100]),
+            queue_limit=rng.choice([None, 1]),
+            hold_max_ms=rng.choice([None, 15]),
+        ),
     }
     return Config(
         state_dir=state_dir, metrics_addr="off", admin_group="", reap_interval_s=0,
@@ -352,6 +360,20 @@ def short(msg: Any, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def trace_line(entry: tuple[int, int, str, tuple[Any, ...]]) -> str:
+    step, now, text, args = entry
+    shown = (short(a) if isinstance(a, msgspec.Struct) else a for a in args)
+    return f"#{step} t={(now - START_US) / 1000:.3f}ms {text.format(*shown)}"
+
+
+def scratch_root() -> str | None:
+    """Where a test's state directories go: a memory file system when there is one (the
+    simulation and the request fuzz open SQLite stores hundreds of times; on disk that is
+    most of their wall time), else the usual temporary directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 def overlap(intervals: list[list[Any]], lo: int, hi: int, now: int) -> int:
     """Microseconds of [lo, hi) covered by the hold intervals (an open one ends now)."""
     total = 0
@@ -372,9 +394,12 @@ class World:
         self.now = START_US
         self.step_no = 0
         self.events = 0
-        self.trace: deque[str] = deque(maxlen=TRACE_LINES)
-        self.state_dir = tempfile.mkdtemp(prefix=f"gpud-sim-{seed}-")
+        # The last events as (step, time, format, arguments): formatted only when a report shows them.
+        self.trace: deque[tuple[int, int, str, tuple[Any, ...]]] = deque(maxlen=TRACE_LINES)
+        self.state_dir = tempfile.mkdtemp(prefix=f"gpud-sim-{seed}-", dir=scratch_root())
         self.config = draw_config(self.rng, self.state_dir)
+        self.dt_us = round(self.config.drop_timeout_s * 1e6)
+        self._stored: tuple[Any, int, dict[str, Any]] | None = None  # see stored_allocations
         self.store_fail_p = self.rng.choice([0.0, 0.0, 0.05, 0.25])
         self.codec = p.daemon_codec()
         self.reader = p.client_codec()
@@ -397,19 +422,20 @@ class World:
         self.holds: dict[int, list[list[Any]]] = {}  # sid -> hold intervals, for this daemon run
         self.gpus: list[GpuModel] = []
         self.daemon: Daemon = self.build_daemon(grace_us=0)
-        self.event(f"config: {self.describe_config()}")
+        self.event("config: {}", self.describe_config())
 
     # --- plumbing ---------------------------------------------------------------------------
 
     def clock(self) -> int:
         return self.now
 
-    def event(self, text: str) -> None:
+    def event(self, text: str, *args: Any) -> None:
+        """One line of the trace: ``text.format(*args)``, a message argument shown by ``short``."""
         self.events += 1
-        line = f"#{self.step_no} t={(self.now - START_US) / 1000:.3f}ms {text}"
-        self.trace.append(line)
+        entry = (self.step_no, self.now, text, args)
+        self.trace.append(entry)
         if self.verbose:
-            print(line)
+            print(trace_line(entry))
 
     def fail(self, message: str) -> NoReturn:
         raise SimFailure(message)
@@ -430,21 +456,19 @@ class World:
 
     def describe_config(self) -> str:
         c = self.config
-        return (f"{c.simulate} mode={c.mode} tq={c.tq_s}s drop_timeout={c.drop_timeout_s}s window={c.compute_window_s}s "
-                f"carryover={c.quota_carryover_percent} tail={c.drop_tail_billing_percent} "
-                f"force_release={c.lease_force_release} hold_max={c.lease_hold_max_ms}ms grace={c.restart_grace_s}s "
-                f"caps(conn={c.max_connections}/{c.max_connections_per_uid} sess={c.max_sessions_per_connection} "
-                f"queue={c.max_lock_queue} waiters={c.max_allocation_waiters}) store_fail_p={self.store_fail_p}")
-
-    @property
-    def dt_us(self) -> int:
-        return round(self.config.drop_timeout_s * 1e6)
+        return (
+            f"{c.simulate} mode={c.mode} tq={c.tq_s}s drop_timeout={c.drop_timeout_s}s window={c.compute_window_s}s "
+            f"carryover={c.quota_carryover_percent} tail={c.drop_tail_billing_percent} "
+            f"force_release={c.lease_force_release} hold_max={c.lease_hold_max_ms}ms grace={c.restart_grace_s}s "
+            f"caps(conn={c.max_connections}/{c.max_connections_per_uid} sess={c.max_sessions_per_connection} "
+            f"queue={c.max_lock_queue} waiters={c.max_allocation_waiters}) store_fail_p={self.store_fail_p}"
+        )
 
     def build_daemon(self, grace_us: int) -> Daemon:
-        kwargs: dict[str, Any] = {"restart_grace_us": grace_us} if HAS_GRACE else {}
-        with fixed_cpus(SIM_CPUS):
-            d = Daemon(self.config, simulated_gpus(self.config.simulate or "1"), Metrics(CollectorRegistry()),
-                       clock=self.clock, **kwargs)
+        with fixed_cpus(SIM_CPUS):  # the in-process daemon of tests/inprocess.py, on this world's clock
+            d = Node(
+                self.config.simulate or "1", config=self.config, clock=self.clock, restart_grace_us=grace_us
+            ).daemon
         self.daemon_runs += 1
         # The two random sources of a daemon, made replayable: the "random" placement strategy and
         # the prefix of lease ids (which only has to differ between daemon runs).
@@ -467,12 +491,17 @@ class World:
             real_record(where, exc, **context)
 
         d.faults.record = record  # type: ignore[method-assign]
-        self.grace_end = d.started_at + (grace_us if HAS_GRACE else 0)
+        self.grace_end = d.started_at + grace_us
         self.holds = {}
         self.gpus = [
-            GpuModel(s.gpu.index, s.gpu.memory_total_bytes,
-                     s.gpu.memory_total_bytes * (100 - self.config.memory_reserve_percent) // 100,
-                     self.config.mode, True, round(self.config.tq_s * 1e6))
+            GpuModel(
+                s.gpu.index,
+                s.gpu.memory_total_bytes,
+                s.gpu.memory_total_bytes * (100 - self.config.memory_reserve_percent) // 100,
+                self.config.mode,
+                True,
+                round(self.config.tq_s * 1e6),
+            )
             for s in d.slots
         ]
         return d
@@ -491,7 +520,7 @@ class World:
         assert c.conn is not None
         pend = Pending(msg.id, kind, msg, self.now, info=info)
         c.pending[msg.id] = pend
-        self.event(f"client {c.cid} ({c.kind}, uid {c.uid}) -> {short(msg)}")
+        self.event("client {} ({}, uid {}) -> {}", c.cid, c.kind, c.uid, msg)
         keep = handle_payload(self.daemon, c.conn, msgspec.msgpack.encode(msg), self.codec)
         if not keep:  # the listener closes it; its writer flushes what was queued
             self.lose_connection(c, "the daemon closed it", crashed=False)
@@ -531,18 +560,28 @@ class World:
         if conn.pending:
             self.fail(f"the daemon wrote to connection {conn.client_id} while closing it: {list(conn.pending)[:2]}")
         self.deliver()  # what its sessions' release gave others
-        self.event(f"client {c.cid}: connection ends ({why})")
+        self.event("client {}: connection ends ({})", c.cid, why)
         self.forget_connection(c, keep_intents=keep_intents)
         self.closed_conns.append(conn)
         if crashed:
             c.alive = False
 
     def forget_connection(self, c: Client, *, keep_intents: bool) -> None:
-        c.intents = [
-            {"gpu": s.gpu, "priority": s.priority, "core_limit": s.core_limit, "mem_estimate": s.mem_estimate,
-             "task_id": s.task_id, "busy": s.state != "idle"}
-            for s in c.sessions.values()
-        ] if keep_intents else []
+        c.intents = (
+            [
+                {
+                    "gpu": s.gpu,
+                    "priority": s.priority,
+                    "core_limit": s.core_limit,
+                    "mem_estimate": s.mem_estimate,
+                    "task_id": s.task_id,
+                    "busy": s.state != "idle",
+                }
+                for s in c.sessions.values()
+            ]
+            if keep_intents
+            else []
+        )
         for s in c.sessions.values():
             self.end_hold(s.sid)
         for lease in c.leases.values():
@@ -570,8 +609,9 @@ class World:
         if isinstance(msg, p.Error):
             self.fail(f"client {c.cid} got an ERROR for no request: {short(msg)}")
         if isinstance(msg, PUSHES_ON_SESSIONS) and msg.session not in c.sessions:
-            self.fail(f"client {c.cid} got {short(msg)} for a session it does not have (its sessions: "
-                      f"{sorted(c.sessions)})")
+            self.fail(
+                f"client {c.cid} got {short(msg)} for a session it does not have (its sessions: {sorted(c.sessions)})"
+            )
         match msg:
             case p.LockOk():
                 self.on_lock_ok(c, c.sessions[msg.session], msg)
@@ -596,8 +636,10 @@ class World:
                 if lease is None:
                     self.fail(f"client {c.cid} got {short(msg)} for a lease it does not hold")
                 if not self.config.lease_force_release or self.now < lease.granted_at + lease.hold_max_us:
-                    self.fail(f"lease {lease.lease_id} revoked at {self.now - lease.granted_at} us held, "
-                              f"hold_max {lease.hold_max_us} us, force_release={self.config.lease_force_release}")
+                    self.fail(
+                        f"lease {lease.lease_id} revoked at {self.now - lease.granted_at} us held, "
+                        f"hold_max {lease.hold_max_us} us, force_release={self.config.lease_force_release}"
+                    )
                 self.end_hold(lease.sid)
                 self.stats["leases revoked (hold_max)"] += 1
             case p.Goodbye():
@@ -667,8 +709,10 @@ class World:
             self.fail(f"client {c.cid}: {short(msg)} but session {s.sid} is {s.state} with grant {s.grant}")
         if msg.reason == p.RevokeReason.DROP_TIMEOUT:
             if s.drop_at is None or self.now < s.drop_at + self.dt_us:
-                self.fail(f"session {s.sid} revoked (drop_timeout) with DROP_LOCK sent at {s.drop_at}, "
-                          f"now {self.now}, drop_timeout {self.dt_us} us")
+                self.fail(
+                    f"session {s.sid} revoked (drop_timeout) with DROP_LOCK sent at {s.drop_at}, "
+                    f"now {self.now}, drop_timeout {self.dt_us} us"
+                )
         else:
             self.fail(f"session {s.sid} revoked for {msg.reason}: only leases are revoked for that")
         s.state, s.drop_at, s.drop_reason = "idle", None, None
@@ -702,12 +746,20 @@ class World:
 
     def expect(self, ok: bool, c: Client, pend: Pending, msg: Any, why: str) -> None:
         if not ok:
-            self.fail(f"client {c.cid} (uid {c.uid}{', admin' if c.admin else ''}): {short(pend.msg)} "
-                      f"answered {short(msg)}: {why}")
+            self.fail(
+                f"client {c.cid} (uid {c.uid}{', admin' if c.admin else ''}): {short(pend.msg)} "
+                f"answered {short(msg)}: {why}"
+            )
 
     def answer_hello(self, c: Client, pend: Pending, msg: Any) -> None:
         if isinstance(msg, p.Welcome):
-            self.expect(pend.msg.version == p.PROTOCOL_VERSION and not c.greeted, c, pend, msg, "welcomed twice or wrong version")
+            self.expect(
+                pend.msg.version == p.PROTOCOL_VERSION and not c.greeted,
+                c,
+                pend,
+                msg,
+                "welcomed twice or wrong version",
+            )
             c.greeted, c.client_id = True, msg.client_id
             self.expect([g.index for g in msg.gpus] == list(range(len(self.gpus))), c, pend, msg, "GPUs")
         else:
@@ -722,15 +774,21 @@ class World:
                 self.expect(isinstance(msg, p.Ok), c, pend, msg, "an admin's request must succeed")
                 self.apply_admin(pend)
             else:
-                self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED, c, pend, msg,
-                            "only an admin may do this")
+                self.expect(
+                    isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED,
+                    c,
+                    pend,
+                    msg,
+                    "only an admin may do this",
+                )
             return
         match msg:
             case p.AllocationsReply():
                 listed = sorted(a.task_id for a in msg.allocations)
                 self.expect(listed == sorted(self.acked), c, pend, msg, f"acknowledged: {sorted(self.acked)}")
-                waiting = sorted(t for q in self.all_pending("ALLOCATE") if q.deadline is not None
-                                 for t in [q.msg.task_id])
+                waiting = sorted(
+                    t for q in self.all_pending("ALLOCATE") if q.deadline is not None for t in [q.msg.task_id]
+                )
                 self.expect(sorted(msg.waiting) == waiting, c, pend, msg, f"waiting: {waiting}")
             case p.LeasesReply():
                 held = sorted(lease.lease_id for x in self.clients for lease in x.leases.values())
@@ -792,27 +850,61 @@ class World:
             return
         self.expect(isinstance(msg, p.Attached) and expected is None, c, pend, msg, f"expected {expected}")
         gpu = m.gpu if isinstance(m.gpu, int) else pend.info["gpu"]
-        self.expect(msg.gpu == gpu and all(msg.session not in x.sessions for x in self.clients), c, pend, msg,
-                    "a new session on the GPU asked for")
+        self.expect(
+            msg.gpu == gpu and all(msg.session not in x.sessions for x in self.clients),
+            c,
+            pend,
+            msg,
+            "a new session on the GPU asked for",
+        )
         core_ceiling, mem_ceiling = self.fraction_ceilings(c, gpu, m.task_id)
         core = min(m.core_limit, core_ceiling)
-        mem = m.mem_limit if mem_ceiling is None else (mem_ceiling if m.mem_limit is None else min(m.mem_limit, mem_ceiling))
-        self.expect(msg.core_limit == core and msg.mem_limit == mem, c, pend, msg,
-                    f"limits: expected core {core} mem {mem} (the allocation's ceilings {core_ceiling}/{mem_ceiling})")
-        c.sessions[msg.session] = Sess(msg.session, gpu, m.priority, msg.core_limit, m.mem_estimate, msg.mem_limit,
-                                       m.task_id, core_ceiling, mem_ceiling)
+        mem = (
+            m.mem_limit
+            if mem_ceiling is None
+            else (mem_ceiling if m.mem_limit is None else min(m.mem_limit, mem_ceiling))
+        )
+        self.expect(
+            msg.core_limit == core and msg.mem_limit == mem,
+            c,
+            pend,
+            msg,
+            f"limits: expected core {core} mem {mem} (the allocation's ceilings {core_ceiling}/{mem_ceiling})",
+        )
+        c.sessions[msg.session] = Sess(
+            msg.session,
+            gpu,
+            m.priority,
+            msg.core_limit,
+            m.mem_estimate,
+            msg.mem_limit,
+            m.task_id,
+            core_ceiling,
+            mem_ceiling,
+        )
 
     def answer_lock_request(self, c: Client, pend: Pending, msg: Any) -> None:
         s = c.sessions.get(pend.info["sid"])
-        self.expect(isinstance(msg, p.Error) and s is not None, c, pend, msg, "LOCK_REQUEST is answered only by an error")
+        self.expect(
+            isinstance(msg, p.Error) and s is not None, c, pend, msg, "LOCK_REQUEST is answered only by an error"
+        )
         assert s is not None
         queued = len(self.daemon.slots[s.gpu].scheduler.queue())
-        self.expect(msg.code == p.ErrorCode.LIMIT_REACHED and queued >= self.config.max_lock_queue, c, pend, msg,
-                    f"{queued} queued, max_lock_queue {self.config.max_lock_queue}")
+        self.expect(
+            msg.code == p.ErrorCode.LIMIT_REACHED and queued >= self.config.max_lock_queue,
+            c,
+            pend,
+            msg,
+            f"{queued} queued, max_lock_queue {self.config.max_lock_queue}",
+        )
         s.state = "idle"  # refused: nothing changed
 
     def answer_lock_released(self, c: Client, pend: Pending, msg: Any) -> None:
-        ok = isinstance(msg, p.Error) and pend.info["stale"] and msg.code in (p.ErrorCode.NOT_HOLDER, p.ErrorCode.STALE_GRANT)
+        ok = (
+            isinstance(msg, p.Error)
+            and pend.info["stale"]
+            and msg.code in (p.ErrorCode.NOT_HOLDER, p.ErrorCode.STALE_GRANT)
+        )
         self.expect(ok, c, pend, msg, "only a stale LOCK_RELEASED is refused (not_holder / stale_grant)")
 
     def answer_mem_update(self, c: Client, pend: Pending, msg: Any) -> None:
@@ -836,7 +928,11 @@ class World:
             for s in chosen:
                 if m.core_limit is not None and m.core_limit > s.core_ceiling:
                     expected = p.ErrorCode.PERMISSION_DENIED
-                if m.mem_limit is not None and s.mem_ceiling is not None and (m.mem_limit == 0 or m.mem_limit > s.mem_ceiling):
+                if (
+                    m.mem_limit is not None
+                    and s.mem_ceiling is not None
+                    and (m.mem_limit == 0 or m.mem_limit > s.mem_ceiling)
+                ):
                     expected = p.ErrorCode.PERMISSION_DENIED
         if isinstance(msg, p.Error):
             self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'LIMITS_SET'}")
@@ -862,8 +958,13 @@ class World:
                 expected = p.ErrorCode.PERMISSION_DENIED if refused else None
             self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'a LEASE_RESULT'}")
             return
-        self.expect(isinstance(msg, p.LeaseResult) and (m.priority or 0) <= self.ceiling(c), c, pend, msg,
-                    "a lease priority above the ceiling is refused")
+        self.expect(
+            isinstance(msg, p.LeaseResult) and (m.priority or 0) <= self.ceiling(c),
+            c,
+            pend,
+            msg,
+            "a lease priority above the ceiling is refused",
+        )
         gpu = pend.info["gpu"]
         self.expect(msg.gpu == gpu, c, pend, msg, "the GPU asked for")
         if msg.status == p.LeaseStatus.ACQUIRED:
@@ -874,8 +975,16 @@ class World:
                 self.fail(f"lease {msg.lease_id} granted {self.grace_end - self.now} us before the restart grace ends")
             terms: LeaseTerms = pend.info["terms"]
             self.expect(rec.terms == terms, c, pend, msg, f"lease terms {rec.terms}, expected {terms}")
-            lease = LeaseM(msg.lease_id, rec.sid, gpu, terms.priority, pend.info["seq"], self.now,
-                           terms.hold_max_ms * MS, terms.mem_estimate)
+            lease = LeaseM(
+                msg.lease_id,
+                rec.sid,
+                gpu,
+                terms.priority,
+                pend.info["seq"],
+                self.now,
+                terms.hold_max_ms * MS,
+                terms.mem_estimate,
+            )
             self.expect(all(msg.lease_id not in x.leases for x in self.clients), c, pend, msg, "a new lease id")
             c.leases[msg.lease_id] = lease
             self.stats["leases acquired" + (" after waiting" if self.now > pend.sent_at else "")] += 1
@@ -883,7 +992,9 @@ class World:
             self.grants_now.append((gpu, rec.sid, lease.seq, lease.priority, 0))
             hold_max = LEASE_HOLD_MAX_US[c.kind]
             if hold_max is not None:
-                self.later(self.now + self.rng.randrange(MS // 2, hold_max), "lease_release", c.cid, c.gen, msg.lease_id)
+                self.later(
+                    self.now + self.rng.randrange(MS // 2, hold_max), "lease_release", c.cid, c.gen, msg.lease_id
+                )
             return
         self.stats[f"leases refused ({msg.reason})"] += 1
         terms = pend.info["terms"]
@@ -895,22 +1006,41 @@ class World:
                 self.expect(terms.max_wait_ms == 0, c, pend, msg, f"GPU_BUSY only when max_wait is 0 ({terms})")
             else:
                 queued = len(self.daemon.slots[gpu].scheduler.queue())
-                self.expect(terms.max_wait_ms > 0 and queued >= terms.queue_limit, c, pend, msg,
-                            f"QUEUE_FULL with {queued} queued, queue_limit {terms.queue_limit}")
+                self.expect(
+                    terms.max_wait_ms > 0 and queued >= terms.queue_limit,
+                    c,
+                    pend,
+                    msg,
+                    f"QUEUE_FULL with {queued} queued, queue_limit {terms.queue_limit}",
+                )
         elif msg.reason == p.LeaseReason.TIMEOUT:
-            self.expect(terms.max_wait_ms > 0, c, pend, msg,
-                        "its terms give max_wait 0 ms, which means only if free now: the answer is GPU_BUSY, "
-                        "never TIMEOUT")
-            self.expect(self.now >= pend.sent_at + terms.max_wait_ms * MS, c, pend, msg,
-                        f"timed out before its max_wait of {terms.max_wait_ms} ms")
+            self.expect(
+                terms.max_wait_ms > 0,
+                c,
+                pend,
+                msg,
+                "its terms give max_wait 0 ms, which means only if free now: the answer is GPU_BUSY, never TIMEOUT",
+            )
+            self.expect(
+                self.now >= pend.sent_at + terms.max_wait_ms * MS,
+                c,
+                pend,
+                msg,
+                f"timed out before its max_wait of {terms.max_wait_ms} ms",
+            )
         else:
             self.expect(False, c, pend, msg, "a refused lease says why")
         self.expect(not pend.info.get("idle"), c, pend, msg, "the GPU was idle: the first holder is always admitted")
 
     def answer_release(self, c: Client, pend: Pending, msg: Any) -> None:
         if pend.info.get("other"):
-            self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED, c, pend, msg,
-                        "releasing another client's lease is refused")
+            self.expect(
+                isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED,
+                c,
+                pend,
+                msg,
+                "releasing another client's lease is refused",
+            )
         else:
             self.expect(isinstance(msg, p.Ok), c, pend, msg, "release is idempotent")
 
@@ -934,24 +1064,42 @@ class World:
                     self.expect(self.now >= pend.deadline, c, pend, msg, f"gave up before wait_ms ({pend.deadline})")
             elif msg.code == p.ErrorCode.LIMIT_REACHED:
                 waiting = len(self.daemon.allocations.waiters)
-                self.expect(m.wait_ms > 0 and waiting >= self.config.max_allocation_waiters, c, pend, msg,
-                            f"{waiting} allocation waiters, cap {self.config.max_allocation_waiters}")
+                self.expect(
+                    m.wait_ms > 0 and waiting >= self.config.max_allocation_waiters,
+                    c,
+                    pend,
+                    msg,
+                    f"{waiting} allocation waiters, cap {self.config.max_allocation_waiters}",
+                )
             elif msg.code == p.ErrorCode.INVALID:
-                self.expect(m.task_id in info["waiting_tasks"], c, pend, msg, "a valid request (unless already waiting)")
+                self.expect(
+                    m.task_id in info["waiting_tasks"], c, pend, msg, "a valid request (unless already waiting)"
+                )
             else:
                 self.expect(False, c, pend, msg, "unexpected refusal")
             return
-        self.expect(isinstance(msg, p.Allocated) and info["expected"] is None, c, pend, msg,
-                    f"expected {info['expected']}")
+        self.expect(
+            isinstance(msg, p.Allocated) and info["expected"] is None, c, pend, msg, f"expected {info['expected']}"
+        )
         self.expect(not injected, c, pend, msg, "ALLOCATED though its store write failed")
         self.stats["allocations answered" + (" after waiting" if pend.deadline is not None else "")] += 1
         share = round(msg.share * UNIT)
         got = Acked(msg.task_id, c.uid, tuple(msg.gpus), share, tuple(msg.cpus), msg.tenant, msg.priority)
-        self.expect(msg.task_id == m.task_id and msg.cuda_visible_devices == ",".join(map(str, msg.gpus)), c, pend,
-                    msg, "task id / CUDA_VISIBLE_DEVICES")
+        self.expect(
+            msg.task_id == m.task_id and msg.cuda_visible_devices == ",".join(map(str, msg.gpus)),
+            c,
+            pend,
+            msg,
+            "task id / CUDA_VISIBLE_DEVICES",
+        )
         before = self.acked.get(m.task_id)
         if before is not None:
-            same = (before.gpus, before.share, before.cpus, before.tenant) == (got.gpus, got.share, got.cpus, got.tenant)
+            same = (before.gpus, before.share, before.cpus, before.tenant) == (
+                got.gpus,
+                got.share,
+                got.cpus,
+                got.tenant,
+            )
             self.expect(same, c, pend, msg, f"the same task again must be the same allocation: {before}")
             return
         want = round(m.gpus * UNIT)
@@ -962,8 +1110,13 @@ class World:
         else:
             shape = got.gpus == () and share == 0
         self.expect(shape and len(set(got.gpus)) == len(got.gpus), c, pend, msg, "the GPUs asked for")
-        self.expect(len(got.cpus) == m.cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus), c,
-                    pend, msg, "the CPU cores asked for")
+        self.expect(
+            len(got.cpus) == m.cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus),
+            c,
+            pend,
+            msg,
+            "the CPU cores asked for",
+        )
         self.expect(got.tenant == m.tenant, c, pend, msg, "the tenant")
         self.acked[m.task_id] = got
 
@@ -1022,16 +1175,20 @@ class World:
         total = sum(1 for x in self.clients if x.conn is not None)
         over = mine >= self.config.max_connections_per_uid or total >= self.config.max_connections
         if (refusal is not None) != over:
-            self.fail(f"client {c.cid} (uid {c.uid}): admission {refusal} with {mine} of its uid's and {total} "
-                      f"connections open")
+            self.fail(
+                f"client {c.cid} (uid {c.uid}): admission {refusal} with {mine} of its uid's and {total} "
+                f"connections open"
+            )
         if refusal is not None:
-            self.event(f"client {c.cid}: connection refused ({refusal[0]})")
+            self.event("client {}: connection refused ({})", c.cid, refusal[0])
             return False
         c.conn = d.links.open((c.pid, c.uid, c.gid), frozenset(), -1, trio.CancelScope())
         c.gen += 1
         c.frames = p.FrameDecoder(p.MAX_REPLY_BYTES)
         c.greeted = False
-        self.event(f"client {c.cid} ({c.kind}, uid {c.uid}, pid {c.pid}) connects: client id {c.conn.client_id}")
+        self.event(
+            "client {} ({}, uid {}, pid {}) connects: client id {}", c.cid, c.kind, c.uid, c.pid, c.conn.client_id
+        )
         self.after_event()
         if greet:
             self.hello(c)
@@ -1044,8 +1201,16 @@ class World:
         self.clients.append(c)
         return c
 
-    def attach(self, c: Client, *, gpu: int | None = None, priority: int | None = None, core_limit: int | None = None,
-               mem_estimate: Any = "draw", task_id: Any = "draw") -> Sess | None:
+    def attach(
+        self,
+        c: Client,
+        *,
+        gpu: int | None = None,
+        priority: int | None = None,
+        core_limit: int | None = None,
+        mem_estimate: Any = "draw",
+        task_id: Any = "draw",
+    ) -> Sess | None:
         r = self.rng
         gpu = r.randrange(len(self.gpus)) if gpu is None else gpu
         if priority is None:
@@ -1059,8 +1224,15 @@ class World:
             task_id = r.choice(tasks) if tasks and r.random() < 0.3 else None
         mem_limit = r.choice([None, None, 2 * GIB, 12 * GIB])
         ref: int | str = gpu if r.random() < 0.8 else r.choice([f"gpu:{gpu}", self.daemon.slots[gpu].gpu.uuid])
-        msg = p.Attach(id=c.rid(), gpu=ref, priority=priority, core_limit=core_limit, mem_limit=mem_limit,
-                       mem_estimate=mem_estimate, task_id=task_id)
+        msg = p.Attach(
+            id=c.rid(),
+            gpu=ref,
+            priority=priority,
+            core_limit=core_limit,
+            mem_limit=mem_limit,
+            mem_estimate=mem_estimate,
+            task_id=task_id,
+        )
         before = set(c.sessions)
         pend = self.send(c, msg, "ATTACH", gpu=gpu)
         self.finish(c, pend)
@@ -1095,21 +1267,30 @@ class World:
         max_wait = r.choice([None, None, 0, 5, 20, 100])
         busy = r.choice([None, None, *p.BusyPolicy])
         msg = p.Acquire(
-            id=c.rid(), gpu=gpu, task_type=task, priority=r.choice([None, None, None, 10, 50, 85]),
-            max_wait_ms=max_wait, hold_max_ms=r.choice([None, 10, 50]), queue_limit=r.choice([None, None, 0, 2]),
-            busy_policy=busy, mem_estimate=r.choice([None, GIB, 4 * GIB, 12 * GIB]),
+            id=c.rid(),
+            gpu=gpu,
+            task_type=task,
+            priority=r.choice([None, None, None, 10, 50, 85]),
+            max_wait_ms=max_wait,
+            hold_max_ms=r.choice([None, 10, 50]),
+            queue_limit=r.choice([None, None, 0, 2]),
+            busy_policy=busy,
+            mem_estimate=r.choice([None, GIB, 4 * GIB, 12 * GIB]),
         )
         terms = self.lease_terms(c, msg)
         idle = not self.occupants(gpu) and self.gpus[gpu].enabled and self.now >= self.grace_end
         pend = self.send(c, msg, "ACQUIRE", gpu=gpu, seq=next(self._seq), idle=idle, terms=terms)
         if c.pending.get(pend.rid) is pend:  # not answered yet: it waits
-            rec = next((x for x in self.daemon.leases.by_sid.values() if x.conn is c.conn and x.request_id == pend.rid),
-                       None)
+            rec = next(
+                (x for x in self.daemon.leases.by_sid.values() if x.conn is c.conn and x.request_id == pend.rid), None
+            )
             if rec is None:
                 self.fail(f"client {c.cid}: ACQUIRE {pend.rid} got no answer and the arbiter has no record of it")
             assert rec is not None
             if rec.terms != terms:
-                self.fail(f"lease terms {rec.terms}, expected {terms} (policy {self.daemon.leases.policies.get(msg.task_type)})")
+                self.fail(
+                    f"lease terms {rec.terms}, expected {terms} (policy {self.daemon.leases.policies.get(msg.task_type)})"
+                )
             pend.info.update(sid=rec.sid, priority=terms.priority, hold_max_us=terms.hold_max_ms * MS)
             pend.deadline = pend.sent_at + terms.max_wait_ms * MS
         self.after_event()
@@ -1120,9 +1301,15 @@ class World:
         that does not name the caller, refused."""
         cfg = self.config
         terms = resolve_terms(
-            m.task_type, self.daemon.leases.policies, priority=m.priority, busy_policy=m.busy_policy,
-            max_wait_ms=m.max_wait_ms, queue_limit=m.queue_limit, hold_max_ms=m.hold_max_ms,
-            mem_estimate=m.mem_estimate, default_queue_limit=cfg.lease_queue_limit,
+            m.task_type,
+            self.daemon.leases.policies,
+            priority=m.priority,
+            busy_policy=m.busy_policy,
+            max_wait_ms=m.max_wait_ms,
+            queue_limit=m.queue_limit,
+            hold_max_ms=m.hold_max_ms,
+            mem_estimate=m.mem_estimate,
+            default_queue_limit=cfg.lease_queue_limit,
             default_hold_max_ms=cfg.lease_hold_max_ms,
         )
         if c.admin:
@@ -1152,22 +1339,39 @@ class World:
         tenant = r.choice([None, None, None, "team", "lab", "nope"])
         priority = r.choice([None, None, 10, 60, 80])
         wait_ms = r.choice([0, 0, 0, 20, 200, 1000])
-        prefer: list[int | str] = r.choice([[], [], [], [0], [len(self.gpus) - 1], [], [], [0], [1 % len(self.gpus)], [7]])
+        prefer: list[int | str] = r.choice(
+            [[], [], [], [0], [len(self.gpus) - 1], [], [], [0], [1 % len(self.gpus)], [7]]
+        )
         held = self.acked.get(task)
         if held is not None and r.random() < 0.5:  # a repeat with the same terms (prefer, strategy, wait may differ)
             gpus, cpus, tenant = held.share * len(held.gpus) / UNIT, len(held.cpus), held.tenant
             priority = None if held.priority == 50 and r.random() < 0.5 else held.priority
-        msg = p.Allocate(id=c.rid(), task_id=task, gpus=gpus, cpus=cpus, prefer=prefer,
-                         strategy=r.choice(list(p.Strategy)), tenant=tenant, priority=priority, wait_ms=wait_ms)
+        msg = p.Allocate(
+            id=c.rid(),
+            task_id=task,
+            gpus=gpus,
+            cpus=cpus,
+            prefer=prefer,
+            strategy=r.choice(list(p.Strategy)),
+            tenant=tenant,
+            priority=priority,
+            wait_ms=wait_ms,
+        )
         waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
-        owner_uid = self.acked[task].uid if task in self.acked else (
-            waiting[task].info["uid"] if task in waiting else None)
+        owner_uid = (
+            self.acked[task].uid if task in self.acked else (waiting[task].info["uid"] if task in waiting else None)
+        )
         member = self.config.tenants.get(tenant or "")
         expected: p.ErrorCode | None = None
         if owner_uid is not None and owner_uid != c.uid and not c.admin:
             expected = p.ErrorCode.PERMISSION_DENIED
-        elif member is not None and (member.uids or member.gids) and c.uid not in member.uids \
-                and c.gid not in member.gids and not c.admin:
+        elif (
+            member is not None
+            and (member.uids or member.gids)
+            and c.uid not in member.uids
+            and c.gid not in member.gids
+            and not c.admin
+        ):
             expected = p.ErrorCode.PERMISSION_DENIED
         elif (priority or 0) > self.ceiling(c):
             expected = p.ErrorCode.PERMISSION_DENIED
@@ -1175,7 +1379,11 @@ class World:
             expected = p.ErrorCode.UNKNOWN_GPU
         elif held is not None:  # the same allocation again for the same terms, refused for others
             same = (round(gpus * UNIT), cpus, tenant, 50 if priority is None else priority) == (
-                held.share * len(held.gpus), len(held.cpus), held.tenant, held.priority)
+                held.share * len(held.gpus),
+                len(held.cpus),
+                held.tenant,
+                held.priority,
+            )
             expected = None if same else p.ErrorCode.INVALID
         elif task in waiting:
             expected = p.ErrorCode.INVALID
@@ -1185,8 +1393,9 @@ class World:
             expected = p.ErrorCode.UNKNOWN_TENANT
         cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
-        pend = self.send(c, msg, "ALLOCATE", uid=c.uid, client=c, expected=expected, injected=injected,
-                         waiting_tasks=sorted(waiting))
+        pend = self.send(
+            c, msg, "ALLOCATE", uid=c.uid, client=c, expected=expected, injected=injected, waiting_tasks=sorted(waiting)
+        )
         if c.pending.get(pend.rid) is pend:
             if wait_ms == 0:
                 self.fail(f"client {c.cid}: ALLOCATE with wait_ms 0 was not answered at once")
@@ -1217,7 +1426,9 @@ class World:
             waiter.info["withdrawn"] = True
         cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
-        pend = self.send(c, p.Free(id=c.rid(), task_id=task), "FREE", expected=expected, waiter=waiter, injected=injected)
+        pend = self.send(
+            c, p.Free(id=c.rid(), task_id=task), "FREE", expected=expected, waiter=waiter, injected=injected
+        )
         self.finish(c, pend)
         if self.injected > injected:
             self.check_rolled_back(cp, waiters, f"FREE {task}")
@@ -1228,8 +1439,10 @@ class World:
         if led.checkpoint() != cp:
             self.fail(f"{what}: the store write failed but the ledger is not as it was before")
         if dict(alloc.waiters) != waiters:
-            self.fail(f"{what}: the store write failed but the allocation waiters changed "
-                      f"({sorted(waiters)} -> {sorted(alloc.waiters)})")
+            self.fail(
+                f"{what}: the store write failed but the allocation waiters changed "
+                f"({sorted(waiters)} -> {sorted(alloc.waiters)})"
+            )
 
     # --- the bound on a lock wait -----------------------------------------------------------------
 
@@ -1266,8 +1479,9 @@ class World:
                     out.append(("lease", c, lease.sid, lease.seq, lease.priority, True, lease.hold_max_us))
             for q in c.waiting_leases():
                 if q.info["gpu"] == gpu:
-                    out.append(("lease", c, q.info["sid"], q.info["seq"], q.info["priority"], False,
-                                q.info["hold_max_us"]))
+                    out.append(
+                        ("lease", c, q.info["sid"], q.info["seq"], q.info["priority"], False, q.info["hold_max_us"])
+                    )
         return out
 
     def lock_bound(self, s: Sess) -> int | None:
@@ -1331,17 +1545,26 @@ class World:
                     # this event) is certain to have been passed over.
                     unlimited = s.core_limit >= 100 and not s.limits_changed
                     if unlimited and s.sid in view and (-s.priority, s.seq) < (-priority, seq):
-                        self.fail(f"GPU {gpu}: {sid} (priority {priority}, arrival {seq}) granted while session "
-                                  f"{s.sid} (priority {s.priority}, arrival {s.seq}) waits ahead of it")
+                        self.fail(
+                            f"GPU {gpu}: {sid} (priority {priority}, arrival {seq}) granted while session "
+                            f"{s.sid} (priority {s.priority}, arrival {s.seq}) waits ahead of it"
+                        )
                     if s.bound is not None and (sid, seq) not in s.counted:
                         s.counted.add((sid, seq))
-                        owner = next((x for x in self.clients if sid in x.sessions
-                                      or any(lease.sid == sid for lease in x.leases.values())), None)
+                        owner = next(
+                            (
+                                x
+                                for x in self.clients
+                                if sid in x.sessions or any(lease.sid == sid for lease in x.leases.values())
+                            ),
+                            None,
+                        )
                         if owner is None:
                             continue  # gone in the same event: it holds nothing any more
                         lease = next((lease for lease in owner.leases.values() if lease.sid == sid), None)
-                        extra = self.hold_bound(gpu, "lease" if lease else "session", owner,
-                                                lease.hold_max_us if lease else None)
+                        extra = self.hold_bound(
+                            gpu, "lease" if lease else "session", owner, lease.hold_max_us if lease else None
+                        )
                         s.bound = None if extra is None else s.bound + extra
         self.grants_now.clear()
         for c in self.clients:
@@ -1377,15 +1600,15 @@ class World:
             deadline = slot.scheduler.next_deadline()
             if deadline is not None and deadline <= self.now:
                 fired.append(f"GPU {slot.gpu.index}")
-                d.effects.carry_out(slot.scheduler.advance(self.now), self.now, slot)
+                tick_gpu(d, slot, self.now)
                 self.deliver()
         deadline = d.allocations.ledger.next_deadline()
         if deadline is not None and deadline <= self.now:
             fired.append("allocations")
-            d.allocations.advance(self.now)
+            tick_allocations(d, self.now, reap=False)
             self.deliver()
         if fired:
-            self.event("timers: " + ", ".join(fired))
+            self.event("timers: {}", ", ".join(fired))
             self.after_event()
             deadline = d.allocations.ledger.next_deadline()
             if deadline is not None and deadline <= self.now:
@@ -1438,17 +1661,37 @@ class World:
         for intent in intents:
             if c.conn is None or not c.greeted:
                 return
-            s = self.attach(c, gpu=intent["gpu"], priority=intent["priority"], core_limit=intent["core_limit"],
-                            mem_estimate=intent["mem_estimate"], task_id=intent["task_id"])
+            s = self.attach(
+                c,
+                gpu=intent["gpu"],
+                priority=intent["priority"],
+                core_limit=intent["core_limit"],
+                mem_estimate=intent["mem_estimate"],
+                task_id=intent["task_id"],
+            )
             if s is not None and intent["busy"] and c.conn is not None:
                 self.lock_request(c, s)
 
     # --- one step -----------------------------------------------------------------------------------
 
     STEPS: list[tuple[str, float]] = [
-        ("advance", 30), ("connect", 3), ("attach", 6), ("lock_request", 14), ("release", 3), ("detach", 1.5),
-        ("mem_update", 3), ("set_limits", 2.5), ("acquire", 9), ("release_lease", 1.5), ("allocate", 7),
-        ("free", 4), ("admin", 3), ("query", 1.5), ("misc", 1.5), ("crash_client", 1.2), ("crash_daemon", 0.35),
+        ("advance", 30),
+        ("connect", 3),
+        ("attach", 6),
+        ("lock_request", 14),
+        ("release", 3),
+        ("detach", 1.5),
+        ("mem_update", 3),
+        ("set_limits", 2.5),
+        ("acquire", 9),
+        ("release_lease", 1.5),
+        ("allocate", 7),
+        ("free", 4),
+        ("admin", 3),
+        ("query", 1.5),
+        ("misc", 1.5),
+        ("crash_client", 1.2),
+        ("crash_daemon", 0.35),
         ("restart_daemon", 0.15),
     ]
 
@@ -1542,10 +1785,19 @@ class World:
         mem = r.choice([None, None, 0, 4 * GIB])
         if core is None and mem is None:
             core = 50
-        chosen = [s for s in target.sessions.values()
-                  if (gpu is None or s.gpu == gpu) and (session is None or s.sid == session)]
-        msg = p.SetLimits(id=c.rid(), client=None if target is c else target.client_id, gpu=gpu, session=session,
-                          core_limit=core, mem_limit=mem)
+        chosen = [
+            s
+            for s in target.sessions.values()
+            if (gpu is None or s.gpu == gpu) and (session is None or s.sid == session)
+        ]
+        msg = p.SetLimits(
+            id=c.rid(),
+            client=None if target is c else target.client_id,
+            gpu=gpu,
+            session=session,
+            core_limit=core,
+            mem_limit=mem,
+        )
         pend = self.send(c, msg, "SET_LIMITS", target=target, chosen=chosen)
         self.finish(c, pend)
         self.after_event()
@@ -1595,13 +1847,23 @@ class World:
         elif op == "sched":
             msg = p.SchedOn(id=rid, gpu=gpu) if off and r.random() < 0.8 else p.SchedOff(id=rid, gpu=gpu)
         elif op == "policy":
-            msg = p.SetPolicy(id=rid, task_type=r.choice(TASK_TYPES), priority=r.choice([None, 40, 95]),
-                              max_wait_ms=r.choice([None, 0, 30]), queue_limit=r.choice([None, 1, 4]),
-                              hold_max_ms=r.choice([None, 20]), busy_policy=r.choice([None, *p.BusyPolicy]))
+            msg = p.SetPolicy(
+                id=rid,
+                task_type=r.choice(TASK_TYPES),
+                priority=r.choice([None, 40, 95]),
+                max_wait_ms=r.choice([None, 0, 30]),
+                queue_limit=r.choice([None, 1, 4]),
+                hold_max_ms=r.choice([None, 20]),
+                busy_policy=r.choice([None, *p.BusyPolicy]),
+            )
         else:
             msg = p.ResetAllocations(id=rid)
         kind = str(msg.__struct_config__.tag)
-        cp, waiters, injected = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters), self.injected
+        cp, waiters, injected = (
+            self.daemon.allocations.ledger.checkpoint(),
+            dict(self.daemon.allocations.waiters),
+            self.injected,
+        )
         pend = self.send(c, msg, kind, tasks=sorted(self.acked), injected=injected)
         self.finish(c, pend)
         if self.injected > injected:
@@ -1611,8 +1873,13 @@ class World:
     def answer_reset_allocs(self, c: Client, pend: Pending, msg: Any) -> None:
         injected = self.injected > pend.info["injected"]
         if c.admin and injected:
-            self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED, c, pend, msg,
-                        "the store write failed: expected store_failed")
+            self.expect(
+                isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED,
+                c,
+                pend,
+                msg,
+                "the store write failed: expected store_failed",
+            )
             return
         self.answer_simple(c, pend, msg)
 
@@ -1658,8 +1925,13 @@ class World:
             self.after_event()
 
     def answer_foreign(self, c: Client, pend: Pending, msg: Any) -> None:
-        self.expect(isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_SESSION, c, pend, msg,
-                    "another client's session is not this connection's")
+        self.expect(
+            isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_SESSION,
+            c,
+            pend,
+            msg,
+            "another client's session is not this connection's",
+        )
 
     def do_crash_client(self) -> None:
         c = self.pick([x for x in self.clients if x.conn is not None])
@@ -1717,7 +1989,7 @@ class World:
         heapq.heapify(self.agenda)
         self.now += self.rng.choice([0, 100, 5 * MS])
         self.daemon = self.build_daemon(grace_us)
-        self.event(f"a new daemon starts (restart grace {grace_us} us)")
+        self.event("a new daemon starts (restart grace {} us)", grace_us)
         self.check_fresh_store()
         self.after_event()
 
@@ -1742,45 +2014,80 @@ class World:
             if conn.pending:
                 self.fail(f"the daemon wrote to closed connection {conn.client_id}: {list(conn.pending)[:2]}")
         self._waiting = [(c, q) for c in self.clients for q in c.waiting_leases()]
+        # One pass over what the clients believe: who owns what, and what is on each GPU.
+        sessions: list[list[tuple[Client, Sess]]] = [[] for _ in self.gpus]
+        leases: list[list[tuple[Client, LeaseM]]] = [[] for _ in self.gpus]
+        waiting_on: list[list[int]] = [[] for _ in self.gpus]
         owned: dict[int, Client] = {}
         for c in self.clients:
-            for sid in c.sessions:
+            for sid, s in c.sessions.items():
                 owned[sid] = c
+                sessions[s.gpu].append((c, s))
             for lease in c.leases.values():
                 owned[lease.sid] = c
+                leases[lease.gpu].append((c, lease))
         for c, q in self._waiting:
             owned[q.info["sid"]] = c
+            waiting_on[q.info["gpu"]].append(q.info["sid"])
         daemon_owned = {sid: conn.client_id for sid, conn in d.links.owners.items()}
         model_owned = {sid: c.conn.client_id for sid, c in owned.items() if c.conn is not None}
         if daemon_owned != model_owned:
             self.fail(f"the daemon's owners {daemon_owned} are not what the clients hold {model_owned}")
         arb = d.leases
-        held = {lease.sid for c in self.clients for lease in c.leases.values()}
+        held = {lease.sid for on_gpu in leases for _, lease in on_gpu}
         waiting = {q.info["sid"] for _, q in self._waiting}
         if set(arb.by_sid) != held | waiting:
-            self.fail(f"the arbiter's leases {sorted(arb.by_sid)} are not the clients' held {sorted(held)} "
-                      f"and waiting {sorted(waiting)}")
+            self.fail(
+                f"the arbiter's leases {sorted(arb.by_sid)} are not the clients' held {sorted(held)} "
+                f"and waiting {sorted(waiting)}"
+            )
         for slot in d.slots:
-            self.check_gpu(slot)
+            g = slot.gpu.index
+            self.check_gpu(slot, sessions[g], leases[g], waiting_on[g])
         for c in self.clients:
             for q in c.pending.values():
                 if q.deadline is not None and now > q.deadline:
-                    self.fail(f"client {c.cid}: {short(q.msg)} sent at {q.sent_at} still unanswered "
-                              f"{now - q.deadline} us after its deadline")
+                    self.fail(
+                        f"client {c.cid}: {short(q.msg)} sent at {q.sent_at} still unanswered "
+                        f"{now - q.deadline} us after its deadline"
+                    )
         self.check_allocations()
 
-    def check_gpu(self, slot: Any) -> None:
-        """Every rule about one GPU, each its own method (so an experiment can tell them apart)."""
+    def check_gpu(
+        self,
+        slot: Any,
+        sessions: list[tuple[Client, Sess]],
+        leases: list[tuple[Client, LeaseM]],
+        waiting_leases: list[int],
+    ) -> None:
+        """Every rule about one GPU, each its own method (so an experiment can tell them apart).
+        ``sessions``, ``leases`` and ``waiting_leases`` are the clients' on this GPU, in client order."""
         sched = slot.scheduler
         g = slot.gpu.index
         sched.check()
-        sessions = [(c, s) for c in self.clients for s in c.sessions.values() if s.gpu == g]
-        leases = [(c, lease) for c in self.clients for lease in c.leases.values() if lease.gpu == g]
-        waiting_leases = [q.info["sid"] for c, q in self._waiting if q.info["gpu"] == g]
-        on = GpuNow(g, self.gpus[g], sched, sched.view(self.now), sessions, leases, held_leases(leases), waiting_leases)
-        for check in (self.check_settings, self.check_holders_match, self.check_queue_match, self.check_serial,
-                      self.check_memory, self.check_drops_and_tq, self.check_quota, self.check_lock_bounds,
-                      self.check_lease_holds):
+        view = sched.view(self.now)
+        on = GpuNow(
+            g,
+            self.gpus[g],
+            sched,
+            view,
+            sessions,
+            leases,
+            held_leases(leases),
+            waiting_leases,
+            [w for w in view.queue if not w.throttled],
+        )
+        for check in (
+            self.check_settings,
+            self.check_holders_match,
+            self.check_queue_match,
+            self.check_serial,
+            self.check_memory,
+            self.check_drops_and_tq,
+            self.check_quota,
+            self.check_lock_bounds,
+            self.check_lease_holds,
+        ):
             check(on)
         self.check_billing(sched, on.gm, [s.sid for _, s in sessions] + sorted(on.lease_sids) + waiting_leases)
 
@@ -1788,8 +2095,10 @@ class World:
         """Mode, switch and TQ are what the admins were told; nothing due is left undone."""
         v, gm = on.view, on.gm
         if (v.mode, v.enabled, v.tq_us) != (gm.mode, gm.enabled, gm.tq_us):
-            self.fail(f"GPU {on.g}: mode/on/TQ {v.mode}/{v.enabled}/{v.tq_us} but admins were told "
-                      f"{gm.mode}/{gm.enabled}/{gm.tq_us}")
+            self.fail(
+                f"GPU {on.g}: mode/on/TQ {v.mode}/{v.enabled}/{v.tq_us} but admins were told "
+                f"{gm.mode}/{gm.enabled}/{gm.tq_us}"
+            )
         deadline = on.sched.next_deadline()
         if deadline is not None and deadline <= self.now:
             self.fail(f"GPU {on.g}: a deadline {self.now - deadline} us old is due but was not acted on")
@@ -1801,14 +2110,18 @@ class World:
         model.update({sid: "lease" for sid in on.lease_sids})
         daemon = {h.session: "lease" if h.session in on.lease_sids else h.grant for h in on.view.holders}
         if daemon != model:
-            self.fail(f"GPU {on.g}: the daemon's holders (session: grant) {daemon} are not what clients "
-                      f"believe they hold {model}")
+            self.fail(
+                f"GPU {on.g}: the daemon's holders (session: grant) {daemon} are not what clients "
+                f"believe they hold {model}"
+            )
         mine = {s.sid: s for _, s in on.sessions}
         for h in on.view.holders:
             s = mine.get(h.session)
             if s is not None and (h.drop_pending is None) != (s.drop_at is None):
-                self.fail(f"GPU {on.g}: session {h.session} drop pending {h.drop_pending} in the daemon, "
-                          f"{s.drop_reason} for its client")
+                self.fail(
+                    f"GPU {on.g}: session {h.session} drop pending {h.drop_pending} in the daemon, "
+                    f"{s.drop_reason} for its client"
+                )
 
     def check_queue_match(self, on: GpuNow) -> None:
         """The queue is exactly what clients wait for, and an idle GPU has no runnable waiter."""
@@ -1835,17 +2148,22 @@ class World:
         """Concurrent and auto: a grant beside others fits the capacity (max of estimate and
         reported use; unknown is the whole GPU); auto drops sessions while reported use overflows."""
         gm, holders = on.gm, on.view.holders
-        need = {s.sid: self.need(gm, s.mem_estimate, s.mem_used) for _, s in on.sessions}
-        need.update({lease.sid: self.need(gm, lease.mem_estimate, None) for _, lease in on.leases})
         granted = self._granted_on(on.g)
         if gm.enabled and len(holders) > 1 and granted:
             self.stats[f"grants beside another holder ({gm.mode})"] += 1
-        if gm.enabled and gm.mode != p.Mode.SERIAL and len(holders) > 1 and granted:
+        beside = gm.mode != p.Mode.SERIAL and len(holders) > 1 and granted
+        if not gm.enabled or not (beside or gm.mode == p.Mode.AUTO):
+            return  # neither rule applies
+        need = {s.sid: self.need(gm, s.mem_estimate, s.mem_used) for _, s in on.sessions}
+        need.update({lease.sid: self.need(gm, lease.mem_estimate, None) for _, lease in on.leases})
+        if beside:
             used = sum(need[h.session] for h in holders)
             if used > gm.capacity:
-                self.fail(f"GPU {on.g}: granted in {gm.mode} mode with the holders needing {used} bytes > capacity "
-                          f"{gm.capacity} ({ {h.session: need[h.session] for h in holders} })")
-        if gm.enabled and gm.mode == p.Mode.AUTO:
+                self.fail(
+                    f"GPU {on.g}: granted in {gm.mode} mode with the holders needing {used} bytes > capacity "
+                    f"{gm.capacity} ({ {h.session: need[h.session] for h in holders} })"
+                )
+        if gm.mode == p.Mode.AUTO:
             staying = [h for h in holders if h.drop_pending is None]
             over = sum(need[h.session] for h in staying) - gm.capacity
             if over > 0 and len(staying) > 1 and any(h.session not in on.lease_sids for h in staying):
@@ -1859,12 +2177,15 @@ class World:
             if s.state != "holding":
                 continue
             if s.drop_at is not None and self.now >= s.drop_at + dt:
-                self.fail(f"session {s.sid} still holds {self.now - s.drop_at} us after its DROP_LOCK "
-                          f"(drop_timeout {dt} us)")
+                self.fail(
+                    f"session {s.sid} still holds {self.now - s.drop_at} us after its DROP_LOCK (drop_timeout {dt} us)"
+                )
             if gm.enabled and on.runnable and self.now >= s.granted_at + gm.tq_us and s.drop_at is None:
-                self.fail(f"session {s.sid} (client {c.cid}) has held GPU {on.g} for {self.now - s.granted_at} us, "
-                          f"past TQ {gm.tq_us} us, while {on.runnable[0].session} waits, and has no DROP_LOCK "
-                          f"pending (one was {'sent' if s.drop_seen else 'never sent'} for this grant)")
+                self.fail(
+                    f"session {s.sid} (client {c.cid}) has held GPU {on.g} for {self.now - s.granted_at} us, "
+                    f"past TQ {gm.tq_us} us, while {on.runnable[0].session} waits, and has no DROP_LOCK "
+                    f"pending (one was {'sent' if s.drop_seen else 'never sent'} for this grant)"
+                )
 
     def check_quota(self, on: GpuNow) -> None:
         """A limited holder whose window budget is used up has its DROP_LOCK."""
@@ -1881,17 +2202,21 @@ class World:
         """Every lock waiter with a bound (``lock_bound``) is granted by it."""
         for c, s in on.sessions:
             if s.state == "waiting" and s.bound is not None and self.now > s.bound:
-                self.fail(f"session {s.sid} (client {c.cid}, priority {s.priority}) has waited "
-                          f"{self.now - s.requested_at} us for GPU {on.g}, {self.now - s.bound} us past its bound "
-                          f"(TQ {on.gm.tq_us} us, drop_timeout {self.dt_us} us, {len(s.counted)} grants ahead of it)")
+                self.fail(
+                    f"session {s.sid} (client {c.cid}, priority {s.priority}) has waited "
+                    f"{self.now - s.requested_at} us for GPU {on.g}, {self.now - s.bound} us past its bound "
+                    f"(TQ {on.gm.tq_us} us, drop_timeout {self.dt_us} us, {len(s.counted)} grants ahead of it)"
+                )
 
     def check_lease_holds(self, on: GpuNow) -> None:
         """With forced release on, no lease is held past its hold_max."""
         if self.config.lease_force_release and on.gm.enabled:
             for _, lease in on.leases:
                 if self.now >= lease.granted_at + lease.hold_max_us:
-                    self.fail(f"lease {lease.lease_id} held {self.now - lease.granted_at} us, past hold_max "
-                              f"{lease.hold_max_us} us, with forced release on")
+                    self.fail(
+                        f"lease {lease.lease_id} held {self.now - lease.granted_at} us, past hold_max "
+                        f"{lease.hold_max_us} us, with forced release on"
+                    )
 
     def _granted_on(self, gpu: int) -> bool:
         return any(x[0] == gpu for x in self._last_grants)
@@ -1913,10 +2238,10 @@ class World:
         for sid in sids:
             a = acc.account(sid)
             made = a.used_ns - a.carried_ns
-            held = overlap(self.holds.get(sid, []), ws, now, now)
+            # Held time is never negative: only a session billed something can have been overbilled.
+            held = overlap(self.holds.get(sid, []), ws, now, now) if made > 0 else 0
             if made > held * 1000:
-                self.fail(f"GPU {gm.index}: session {sid} billed {made} ns in the current window but held it "
-                          f"{held} us")
+                self.fail(f"GPU {gm.index}: session {sid} billed {made} ns in the current window but held it {held} us")
             total += made
         if total > (now - ws) * 1000:
             self.fail(f"GPU {gm.index}: {total} ns billed in a window {now - ws} us old")
@@ -1929,10 +2254,12 @@ class World:
                 for sid in sids:
                     h = acc.account(sid).history
                     if len(h) >= j:
-                        held = overlap(self.holds.get(sid, []), lo, hi, now)
+                        held = overlap(self.holds.get(sid, []), lo, hi, now) if h[-j] > 0 else 0
                         if h[-j] > held * 1000:
-                            self.fail(f"GPU {gm.index}: session {sid} billed {h[-j]} ns in window [{lo - START_US}, "
-                                      f"{hi - START_US}) but held the GPU {held} us of it")
+                            self.fail(
+                                f"GPU {gm.index}: session {sid} billed {h[-j]} ns in window [{lo - START_US}, "
+                                f"{hi - START_US}) but held the GPU {held} us of it"
+                            )
                         total += h[-j]
                 if total > W * 1000:
                     self.fail(f"GPU {gm.index}: {total} ns billed in one window of {W} us")
@@ -1948,22 +2275,27 @@ class World:
         uids = {t: a.uid for t, a in self.acked.items()}
         if alloc.uids != uids:
             self.fail(f"the allocator's owners {alloc.uids} are not the acknowledged {uids}")
-        stored = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in alloc.store.load().records}
+        stored = self.stored_allocations()
         want = {t: (a.gpus, a.share, a.cpus, a.tenant, a.uid) for t, a in self.acked.items()}
         if stored != want:
             self.fail(f"the store holds {stored}, not what was acknowledged {want}")
         waits = {q.msg.task_id for q in self.all_pending("ALLOCATE") if q.deadline is not None}
         if set(alloc.waiters) != waits or {r.task_id for r in led.waiting()} != waits:
-            self.fail(f"allocation waiters: allocator {sorted(alloc.waiters)}, ledger "
-                      f"{sorted(r.task_id for r in led.waiting())}, clients {sorted(waits)}")
+            self.fail(
+                f"allocation waiters: allocator {sorted(alloc.waiters)}, ledger "
+                f"{sorted(r.task_id for r in led.waiting())}, clients {sorted(waits)}"
+            )
         for slot in d.slots:
             g = slot.gpu.index
             free, tasks = led.gpu_free(g), led.gpu_tasks(g)
             if not 0 <= free <= UNIT or free + sum(tasks.values()) != UNIT:
                 self.fail(f"GPU {g}: free {free} and tasks {tasks} do not add up to one GPU")
         cores = [x for a in self.acked.values() for x in a.cpus]
-        if len(cores) != len(set(cores)) or set(cores) & set(led.cpus_free()) or \
-                len(cores) + len(led.cpus_free()) != SIM_CPUS:
+        if (
+            len(cores) != len(set(cores))
+            or set(cores) & set(led.cpus_free())
+            or len(cores) + len(led.cpus_free()) != SIM_CPUS
+        ):
             self.fail(f"CPU cores: allocated {sorted(cores)}, free {led.cpus_free()}")
         for name, t in self.config.tenants.items():
             used = sum(len(a.gpus) * a.share for a in self.acked.values() if a.tenant == name)
@@ -1982,8 +2314,20 @@ class World:
                 self.fail(f"allocation {req.task_id} still waits though it fits now")
             self.stats["allocation waiters probed"] += 1
 
+    def stored_allocations(self) -> dict[str, Any]:
+        """What the daemon's store holds, read back. Read again only when the store's connection
+        has changed rows since the last reading (SQLite's ``total_changes``) or the store is
+        another one: the same rows read back the same."""
+        store = self.daemon.allocations.store
+        changes = store._db.total_changes
+        if self._stored is None or self._stored[0] is not store or self._stored[1] != changes:
+            records = store.load().records
+            self._stored = (store, changes, {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in records})
+        return self._stored[2]
+
     def check_fresh_store(self) -> None:
         """What a new daemon would read: exactly the acknowledged allocations."""
+        self._stored = None  # another connection opens the file: read it afresh next time too
         store = Store(self.state_dir)
         try:
             loaded = store.load()
@@ -2024,15 +2368,17 @@ def run_seed(seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False) ->
         world.run()
     except Exception as exc:  # a broken invariant, or an exception out of the daemon
         what = str(exc) if isinstance(exc, SimFailure) else "".join(traceback.format_exception(exc))
-        report = "\n".join([
-            f"daemon_sim: seed {seed} failed at step {world.step_no} "
-            f"(t={(world.now - START_US) / 1000:.3f} ms, event {world.events}): {what}",
-            f"last {len(world.trace)} events:",
-            *("  " + line for line in world.trace),
-            "the GPUs then:",
-            *("  " + line for line in world.describe_gpus()),
-            f"reproduce: {command(seed, steps)}",
-        ])
+        report = "\n".join(
+            [
+                f"daemon_sim: seed {seed} failed at step {world.step_no} "
+                f"(t={(world.now - START_US) / 1000:.3f} ms, event {world.events}): {what}",
+                f"last {len(world.trace)} events:",
+                *("  " + trace_line(entry) for entry in world.trace),
+                "the GPUs then:",
+                *("  " + line for line in world.describe_gpus()),
+                f"reproduce: {command(seed, steps)}",
+            ]
+        )
         return Outcome(seed, False, report, world.events, time.perf_counter() - began, world.stats)
     return Outcome(seed, True, "", world.events, time.perf_counter() - began, world.stats)
 
@@ -2065,8 +2411,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.stats:
         for name, count in sorted(stats.items()):
             print(f"{count:>9}  {name}")
-    print(f"{len(seeds)} seed(s) x {args.steps} steps: {len(seeds) - len(failed)} passed, {len(failed)} failed; "
-          f"{events} events in {took:.1f} s")
+    print(
+        f"{len(seeds)} seed(s) x {args.steps} steps: {len(seeds) - len(failed)} passed, {len(failed)} failed; "
+        f"{events} events in {took:.1f} s"
+    )
     if failed:
         print("failing seeds: " + " ".join(str(o.seed) for o in failed))
         return 1
