@@ -5,8 +5,9 @@ with the LocalExecutor, the DAG processor reading ``airflow_dags/`` and the API 
 execution API, which the task processes report to. Each try of a task runs in a process of its
 own under Airflow's supervisor, as on a worker, so a killed task, SIGTERM and retries all go
 through Airflow's own code. (``dag.test()`` runs every task inside the process that calls it: a
-task killed there takes the test run with it and is never retried.) DAG runs are triggered through
-Airflow's ``trigger_dag`` by one helper process; states are read from Airflow's database.
+task killed there takes the test run with it and is never retried.) One helper process imports
+Airflow once: it migrates the database, triggers the DAG runs through Airflow's ``trigger_dag`` and
+runs the checks that need Airflow imported; states are read from Airflow's database.
 
 gpud: ``GPUD_SOCKET`` of the Airflow processes is a daemon that never reaps dead owners, so every
 release it shows is the wrapper's own; the SIGKILL test uses a second daemon that reaps within
@@ -23,6 +24,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,8 +34,11 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("airflow") is None:
-    pytest.skip("Airflow is not installed: `pip install -e './client[airflow]'` (make test does); "
-                "skipped only where Airflow cannot be installed", allow_module_level=True)
+    pytest.skip(
+        "Airflow is not installed: `pip install -e './client[airflow]'` (make test does); "
+        "skipped only where Airflow cannot be installed",
+        allow_module_level=True,
+    )
 
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
@@ -43,23 +48,34 @@ from . import waiting
 DAGS = Path(__file__).resolve().parent / "airflow_dags"
 FINISHED = {"success", "failed"}
 
-# Triggers DAG runs for the tests: one JSON request per line in, "ok" or the error per line out.
-# Airflow logs to stdout, so the replies go to a copy of the original stdout and fd 1 becomes stderr.
-TRIGGER = r"""
-import json, os, sys
+# The helper: migrates the database as `airflow db migrate` does (the same code, in this process) and
+# says "migrated"; then one JSON request per line in, a DAG run to trigger or code to run, and "ok" or
+# the error's traceback out, each reply a JSON string on a line. Airflow logs to stdout, so the replies
+# go to a copy of the original stdout and fd 1 becomes stderr.
+HELPER = r"""
+import json, os, sys, traceback
 reply = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
+from airflow.__main__ import main
+sys.argv = ["airflow", "db", "migrate"]
+main()
+reply.write(json.dumps("migrated") + "\n")
 from airflow.api.common.trigger_dag import trigger_dag
 from airflow.utils.types import DagRunTriggeredByType
 for line in sys.stdin:
     req = json.loads(line)
     try:
-        trigger_dag(req["dag_id"], run_id=req["run_id"], conf=req["conf"], triggered_by=DagRunTriggeredByType.TEST)
-        reply.write("ok\n")
-    except Exception as exc:
-        reply.write(json.dumps(repr(exc)) + "\n")
+        if "code" in req:
+            exec(req["code"], {})
+        else:
+            trigger_dag(req["dag_id"], run_id=req["run_id"], conf=req["conf"], triggered_by=DagRunTriggeredByType.TEST)
+        reply.write(json.dumps("ok") + "\n")
+    except Exception:
+        reply.write(json.dumps(traceback.format_exc()) + "\n")
 """
-
+# After SIGTERM the services stop their work at once (the scheduler its executor, the API server its
+# server), then spend seconds collecting their heaps as their interpreters exit: not waited for.
+STOP_GRACE_S = 2.0
 
 
 def eventually(check: Callable[[], Any], what: str, timeout: float = 30.0, why: Callable[[], str] = str) -> Any:
@@ -73,29 +89,61 @@ class Airflow:
         self.home, self.env = home, env
         self.gpud, self.reaping = gpud, reaping
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.trigger_proc: subprocess.Popen[str] | None = None
+        self.helper: subprocess.Popen[str] | None = None
         self.flags: list[Path] = []
+
+    def start_helper(self) -> None:
+        """Starts the helper, which has migrated the database when this returns."""
+        with open(self.home / "helper.log", "wb") as log:
+            self.helper = subprocess.Popen(
+                [sys.executable, "-c", HELPER],
+                env=self.env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+        answer = self.answer()
+        assert answer == "migrated", f"migrating Airflow's database: {answer}"
+
+    def ask(self, request: dict[str, Any]) -> str:
+        """The helper's answer to one request: "ok" or the error's traceback."""
+        assert self.helper is not None and self.helper.stdin is not None
+        self.helper.stdin.write(json.dumps(request) + "\n")
+        self.helper.stdin.flush()
+        return self.answer()
+
+    def answer(self) -> str:
+        assert self.helper is not None and self.helper.stdout is not None
+        line = self.helper.stdout.readline()
+        return str(json.loads(line)) if line else f"the helper ended:\n{self.tail('helper')}"
 
     def start(self, name: str, *args: str) -> None:
         with open(self.home / f"{name}.log", "wb") as out:  # the child keeps its own copy of the file
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "airflow", *args], env=self.env, stdout=out,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "airflow", *args],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def stop(self) -> None:
-        if self.trigger_proc is not None:
-            self.trigger_proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.trigger_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.trigger_proc.kill()
-                self.trigger_proc.wait()
-        for proc in self.procs.values():  # each is its own process group: its workers and tasks go too
+        """Ends every process at once: SIGTERM, then SIGKILL to what still runs after STOP_GRACE_S. Each
+        service is a process group of its own, so its workers go with it."""
+        procs: list[subprocess.Popen[Any]] = [*self.procs.values()]
+        if self.helper is not None:
+            self.helper.stdin.close()  # type: ignore[union-attr]  # it ends at the end of its input
+            procs.append(self.helper)
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
             try:
-                proc.wait(15)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -114,16 +162,8 @@ class Airflow:
         run_id = f"t_{uuid.uuid4().hex[:10]}"
         if "flag" in conf:
             self.flags.append(Path(conf["flag"]))
-        if self.trigger_proc is None:
-            with open(self.home / "trigger.log", "wb") as log:
-                self.trigger_proc = subprocess.Popen([sys.executable, "-c", TRIGGER], env=self.env, text=True,
-                                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        assert self.trigger_proc.stdin is not None and self.trigger_proc.stdout is not None
-        request = {"dag_id": dag_id, "run_id": run_id, "conf": {"out": str(out), **conf}}
-        self.trigger_proc.stdin.write(json.dumps(request) + "\n")
-        self.trigger_proc.stdin.flush()
-        answer = self.trigger_proc.stdout.readline().strip()
-        assert answer == "ok", f"triggering {dag_id}: {answer or self.tail('trigger')}"
+        answer = self.ask({"dag_id": dag_id, "run_id": run_id, "conf": {"out": str(out), **conf}})
+        assert answer == "ok", f"triggering {dag_id}: {answer}"
         return run_id
 
     def run_state(self, dag_id: str, run_id: str) -> str | None:
@@ -132,13 +172,24 @@ class Airflow:
 
     def ti(self, dag_id: str, run_id: str, task_id: str) -> tuple[str, int] | None:
         """(state, try_number) of an unmapped task instance."""
-        rows = self.query("select state, try_number from task_instance where dag_id = ? and run_id = ? "
-                          "and task_id = ? and map_index = -1", dag_id, run_id, task_id)
+        rows = self.query(
+            "select state, try_number from task_instance where dag_id = ? and run_id = ? "
+            "and task_id = ? and map_index = -1",
+            dag_id,
+            run_id,
+            task_id,
+        )
         return (rows[0][0], rows[0][1]) if rows and rows[0][0] else None
 
     def wait_run(self, dag_id: str, run_id: str, timeout: float = 45.0) -> str:
-        return str(eventually(lambda: (s := self.run_state(dag_id, run_id)) in FINISHED and s,
-                              f"DAG run {dag_id} {run_id} finished", timeout, self.diagnose))
+        return str(
+            eventually(
+                lambda: (s := self.run_state(dag_id, run_id)) in FINISHED and s,
+                f"DAG run {dag_id} {run_id} finished",
+                timeout,
+                self.diagnose,
+            )
+        )
 
     def log(self, dag_id: str, run_id: str, task_id: str, attempt: int) -> str:
         path = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
@@ -149,7 +200,7 @@ class Airflow:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def diagnose(self) -> str:
-        return "\n".join(f"--- {name}\n{self.tail(name)}" for name in ("scheduler", "dag-processor", "trigger"))
+        return "\n".join(f"--- {name}\n{self.tail(name)}" for name in ("scheduler", "dag-processor", "helper"))
 
     # --- gpud's side ---------------------------------------------------------------------------
 
@@ -176,39 +227,59 @@ def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Airflow]:
     home.mkdir()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW") and k != "CUDA_VISIBLE_DEVICES"}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "6",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__API_AUTH__JWT_SECRET": uuid.uuid4().hex,
-        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",  # parsed once: the DAGs do not change
-        "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
-        # The supervisor can miss its task's exit until its next heartbeat: 1 s instead of 5 s.
-        "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
-        "GPUD_SOCKET": gpud.socket,
-        "GPUD_TEST_REAPING_SOCKET": reaping.socket,
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "6",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__API_AUTH__JWT_SECRET": uuid.uuid4().hex,
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",  # parsed once: the DAGs do not change
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.2",
+            # The supervisor can miss its task's exit until its next heartbeat: 1 s instead of 5 s.
+            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
+            "GPUD_SOCKET": gpud.socket,
+            "GPUD_TEST_REAPING_SOCKET": reaping.socket,
+        }
+    )
     af = Airflow(home, env, gpud, reaping)
     try:
-        subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True,
-                       capture_output=True, timeout=120)
+        af.start_helper()
         af.start("api-server", "api-server", "--apps", "execution", "--host", "127.0.0.1", "--port", str(port))
-        af.start("scheduler", "scheduler")
+        af.start("scheduler", "scheduler", "--skip-serve-logs")  # the tests read the task logs' files
         af.start("dag-processor", "dag-processor")
-        dags = {"gpud_one_gpu", "gpud_retry", "gpud_reaped", "gpud_fraction", "gpud_too_big", "gpud_short_wait",
-                "gpud_classic", "gpud_timeout"}
-        eventually(lambda: {r[0] for r in af.query("select dag_id from dag where not is_paused") or []} >= dags,
-                   "the DAGs parsed and unpaused", 60,
-                   lambda: af.diagnose() + str(af.query("select stacktrace from import_error")))
-        eventually(lambda: af.query("select 1 from job where job_type = 'SchedulerJob' and state = 'running'"),
-                   "the scheduler running", 60, af.diagnose)
-        eventually(lambda: _answers(f"http://127.0.0.1:{port}/execution/health"), "the execution API", 60,
-                   lambda: af.tail("api-server"))
+        dags = {
+            "gpud_one_gpu",
+            "gpud_retry",
+            "gpud_reaped",
+            "gpud_fraction",
+            "gpud_too_big",
+            "gpud_short_wait",
+            "gpud_classic",
+            "gpud_timeout",
+        }
+        eventually(
+            lambda: {r[0] for r in af.query("select dag_id from dag where not is_paused") or []} >= dags,
+            "the DAGs parsed and unpaused",
+            60,
+            lambda: af.diagnose() + str(af.query("select stacktrace from import_error")),
+        )
+        eventually(
+            lambda: af.query("select 1 from job where job_type = 'SchedulerJob' and state = 'running'"),
+            "the scheduler running",
+            60,
+            af.diagnose,
+        )
+        eventually(
+            lambda: _answers(f"http://127.0.0.1:{port}/execution/health"),
+            "the execution API",
+            60,
+            lambda: af.tail("api-server"),
+        )
         yield af
     finally:
         af.stop()
@@ -267,8 +338,12 @@ def test_two_tasks_get_different_gpus_and_see_them(af: Airflow, tmp_path: Path) 
         assert r["xcom"] == pushed(alloc)
     assert sorted(r["cuda"] for r in got.values()) == ["0", "1"]
     assert sorted(r["affinity"][0] for r in got.values()) == [0, 1]
-    table = subprocess.run([sys.executable, "-m", "gpud.tools.gpuctl", "--socket", af.gpud.socket, "allocs"],
-                           capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "gpud.tools.gpuctl", "--socket", af.gpud.socket, "allocs"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for run in runs:  # gpuctl allocs names the DAG run and the task
         assert gpud_id("gpud_one_gpu", run, "hold") in table, table
     (tmp_path / "go").touch()
@@ -378,8 +453,12 @@ def test_a_task_short_of_gpus_fails_naming_what_was_short_and_its_retry_runs(af:
         blocker.allocate("blocker", gpus=2)
         try:
             run = af.trigger("gpud_short_wait", tmp_path)
-            eventually(lambda: af.ti("gpud_short_wait", run, "impatient") == ("up_for_retry", 1),
-                       "the first try failed and waits for its retry", 45, af.diagnose)
+            eventually(
+                lambda: af.ti("gpud_short_wait", run, "impatient") == ("up_for_retry", 1),
+                "the first try failed and waits for its retry",
+                45,
+                af.diagnose,
+            )
         finally:
             blocker.release_allocation("blocker")
     log = af.log("gpud_short_wait", run, "impatient", 1)
@@ -404,8 +483,9 @@ def test_classic_operator_mapped_tasks_and_the_environment_put_back(af: Airflow,
     assert af.held()["held"] == {}
 
 
-def test_task_ids_and_options_are_checked_where_the_dag_is_parsed(tmp_path: Path) -> None:
-    """In a subprocess: importing gpud_client.airflow imports Airflow, which this process must not."""
+def test_task_ids_and_options_are_checked_where_the_dag_is_parsed(af: Airflow) -> None:
+    """In the helper, a process with Airflow imported: importing gpud_client.airflow imports Airflow,
+    which this process must not."""
     code = r"""
 from gpud_client.airflow import GpuRequest, gpud_task_id
 run = "manual__2026-11-24T00:31:20+00:00"
@@ -423,7 +503,5 @@ for bad, said in [({"gpus": 1.5}, "whole GPUs or a fraction"), ({"strategy": "no
     else:
         raise AssertionError(f"accepted {bad}")
 """
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-                         | {"AIRFLOW_HOME": str(tmp_path)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    answer = af.ask({"code": code})
+    assert answer == "ok", answer[-3000:]

@@ -33,8 +33,12 @@ from .waiting import eventually  # noqa: E402
 @gpud_task
 def report_and_hold(flag: str) -> dict[str, Any]:
     (session,) = current_sessions()
-    info = {"socket": os.environ.get("GPUD_SOCKET"), "session": session.id, "core_limit": session.core_limit,
-            "node": ray.get_runtime_context().get_node_id()}
+    info = {
+        "socket": os.environ.get("GPUD_SOCKET"),
+        "session": session.id,
+        "core_limit": session.core_limit,
+        "node": ray.get_runtime_context().get_node_id(),
+    }
     Path(flag + "." + info["node"]).write_text(json.dumps(info))
     while not os.path.exists(flag):  # the task's work, as long as the test wants (another process's flag)
         time.sleep(0.01)
@@ -48,16 +52,25 @@ def test_two_nodes_each_enforced_by_its_own_gpud(tmp_path: Path) -> None:
     b = DaemonProcess("--simulate", "1").start()
     cluster: Cluster | None = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "num_gpus": 1, "resources": {"node_a": 1}, "env_vars": {"GPUD_SOCKET": a.socket},
-            "include_dashboard": False,
-        })
-        cluster.add_node(num_cpus=2, num_gpus=1, resources={"node_b": 1}, env_vars={"GPUD_SOCKET": b.socket})
+        # One CPU a node: one task runs on each, and Ray starts no more idle workers than that.
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "num_gpus": 1,
+                "resources": {"node_a": 1},
+                "env_vars": {"GPUD_SOCKET": a.socket},
+                "include_dashboard": False,
+            },
+        )
+        cluster.add_node(num_cpus=1, num_gpus=1, resources={"node_b": 1}, env_vars={"GPUD_SOCKET": b.socket})
         ray.init(address=cluster.address, log_to_driver=False, logging_level="warning")
         try:
             flag = str(tmp_path / "go")
-            refs = [report_and_hold.options(resources={"node_a": 0.01}).remote(flag),
-                    report_and_hold.options(resources={"node_b": 0.01}).remote(flag)]
+            refs = [
+                report_and_hold.options(resources={"node_a": 0.01}).remote(flag),
+                report_and_hold.options(resources={"node_b": 0.01}).remote(flag),
+            ]
             eventually(lambda: len(list(tmp_path.glob("go.*"))) == 2, "both tasks run", timeout=60)
             on_a, on_b = (allocations(d.socket) for d in (a, b))
             assert len(on_a) == 1 and len(on_b) == 1 and on_a.keys() != on_b.keys()
