@@ -3,7 +3,7 @@
 # `make install` puts gpud on a node as a systemd service (see docs/running.md).
 PYTHON ?= python3
 VENV := .venv
-# The demo needs gpud and its client alone; the tests add Ray, Airflow, pytest and mypy.
+# The demo needs gpud and its client alone; the tests add Ray, Airflow, pytest (with xdist), ruff and mypy.
 BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
 # setuptools warns at length that an editable install is one; nothing to act on.
@@ -44,12 +44,14 @@ $(STAMP): $(BASE)
 demo: $(BASE)
 	$(VENV)/bin/python -m gpud.tools.demo
 
+# Two workers: a test file (and Ray's two files) stays on one; see docs/layout.md.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
 
-# Lint (ruff, rules in pyproject.toml) and types (mypy --strict on gpud and gpud_client), outside pytest.
+# Lint and layout (ruff, rules in pyproject.toml) and types (mypy --strict on gpud and gpud_client), outside pytest.
 check: $(STAMP)
 	$(VENV)/bin/ruff check gpud client bench tests examples
+	$(VENV)/bin/ruff format --check gpud client bench tests examples
 	$(VENV)/bin/python -m mypy
 
 # The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
