@@ -36,22 +36,29 @@ class Inbox:
         self._codec = codec
         self._frames = p.FrameDecoder(p.MAX_REPLY_BYTES)  # answers may be far larger than requests
         self._ready: deque[bytes] = deque()
+        self._broken: ProtocolError | None = None  # an oversized frame, raised once what came before it is read
 
     def __bool__(self) -> bool:
-        """A whole message is waiting."""
-        return bool(self._ready)
+        """A whole message is waiting (or the error that ends the stream)."""
+        return bool(self._ready) or self._broken is not None
 
     def feed(self, data: bytes) -> None:
         """What one read returned; b"" is the daemon closing the connection."""
         if not data:
             raise DaemonUnavailable(f"gpud at {self.path} closed the connection")
+        if self._broken is not None:
+            return  # nothing after an oversized frame can be read as frames
         try:
             self._ready.extend(self._frames.feed(data))
-        except p.FrameTooLarge as exc:
-            raise ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc)) from None
+        except p.FrameTooLarge as exc:  # the whole messages before it are still delivered
+            self._ready.extend(exc.payloads)
+            self._broken = ProtocolError(p.ErrorCode.FRAME_TOO_LARGE, str(exc))
 
     def pop(self) -> Any:
-        """The next whole message, decoded (only when one is waiting)."""
+        """The next whole message, decoded (only when one is waiting); after the last message before an
+        oversized frame, that frame's error."""
+        if not self._ready and self._broken is not None:
+            raise self._broken
         try:
             return self._codec.decode(self._ready.popleft())
         except msgspec.MsgspecError as exc:

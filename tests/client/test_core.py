@@ -1623,3 +1623,17 @@ def test_random_event_sequences_keep_the_invariants(seed: int) -> None:
             world.check()
     except AssertionError as exc:
         raise AssertionError(f"seed {seed}: {exc}\nlast events: {trace[-12:]}") from exc
+
+
+def test_the_messages_before_an_oversized_frame_are_read_before_its_error() -> None:
+    from gpud_client.connection import Inbox
+    from gpud_client.errors import ProtocolError
+
+    inbox = Inbox("/run/gpud/gpud.sock", p.client_codec())
+    ok = p.daemon_codec().encode(p.Ok(id=7))
+    inbox.feed(ok + (p.MAX_REPLY_BYTES + 1).to_bytes(4, "big") + b"\x00" * 16)
+    assert inbox and inbox.pop() == p.Ok(id=7)
+    with pytest.raises(ProtocolError, match="over the .*-byte limit") as caught:
+        inbox.pop()
+    assert caught.value.code == p.ErrorCode.FRAME_TOO_LARGE
+    assert inbox  # the stream stays broken: a reader that looks again gets the error again
