@@ -14,8 +14,6 @@ from types import FrameType
 
 from gpud_client import protocol as p
 
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUD_TASK_ID", "GPUD_GPU_SHARE", "GPUD_CPUS", "GPUD_SOCKET")
-
 
 def allocation_env(allocated: p.Allocated, socket_path: str | None = None) -> dict[str, str]:
     """The devices, in gpud's order (NVML's, by PCI bus: CUDA's default order may differ), the share
@@ -61,7 +59,7 @@ class ProcessChanges:
         self._undo.append(put_back)
 
     def environment(self, values: dict[str, str]) -> None:
-        saved = {k: os.environ.get(k) for k in {*ENV_KEYS, *values}}
+        saved = {k: os.environ.get(k) for k in values}
         os.environ.update(values)
 
         def put_back() -> None:
