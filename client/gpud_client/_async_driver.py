@@ -36,6 +36,7 @@ from gpud_client.core.actions import (
     ArmIdle,
     CallOnDrop,
     CallOnLost,
+    CallOnPark,
     GiveBack,
     Hook,
     Log,
@@ -200,6 +201,9 @@ class AsyncDriver(ClientBase):
         """Send a message whose answer nobody waits for (nothing while unconnected)."""
         self._carry_out(self._core.send(msg))
 
+    async def _parked(self, s: SessionState, ok: bool, message: str) -> None:
+        self._carry_out(self._core.parked(s, ok, message))
+
     async def _report_memory(self, s: SessionState, used_bytes: int) -> None:
         self._carry_out(self._core.report_memory(s, used_bytes))
         if self._wire is not None:
@@ -230,7 +234,7 @@ class AsyncDriver(ClientBase):
                     (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost():
+                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark():
                     hooks.append(a)
         return hooks
 
@@ -248,6 +252,8 @@ class AsyncDriver(ClientBase):
                         self._carry_out(self._core.given_back(s, grant))
                 case CallOnLost(session=s, error=error):
                     await _call(s.on_lost, error)
+                case CallOnPark(session=s):
+                    await _call(s.on_park)
 
     def _spawn_hooks(self, hooks: list[Hook]) -> None:
         task = asyncio.ensure_future(self._run_hooks(hooks))

@@ -30,6 +30,7 @@ from gpud_client.core.actions import (
     ArmIdle,
     CallOnDrop,
     CallOnLost,
+    CallOnPark,
     GiveBack,
     Hook,
     Log,
@@ -144,6 +145,10 @@ class SyncDriver(ClientBase):
         with self._lock:
             self._carry_out(self._core.send(msg))
 
+    def _parked(self, s: SessionState, ok: bool, message: str) -> None:
+        with self._lock:
+            self._carry_out(self._core.parked(s, ok, message))
+
     def _report_memory(self, s: SessionState, used_bytes: int) -> None:
         with self._lock:
             self._carry_out(self._core.report_memory(s, used_bytes))
@@ -167,7 +172,7 @@ class SyncDriver(ClientBase):
                     (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost():
+                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark():
                     hooks.append(a)
         return hooks
 
@@ -186,6 +191,8 @@ class SyncDriver(ClientBase):
                         self._carry_out(self._core.given_back(s, grant))
                 case CallOnLost(session=s, error=error):
                     _call(s.on_lost, error)
+                case CallOnPark(session=s):
+                    _call(s.on_park)
 
     def _write(self, data: bytes, conn: Connection | None) -> None:
         if conn is None:

@@ -75,6 +75,10 @@ class AsyncSession(SessionState):
         """End an ``acquire`` (or give back a lock kept between slices) now."""
         await self.client._release(self)
 
+    async def parked(self, ok: bool, message: str = "") -> None:
+        """Answer the daemon's PARK: the program's GPU memory is in host memory (``ok``), or why not."""
+        await self.client._parked(self, ok, message)
+
     async def report_memory(self, used_bytes: int) -> None:
         """Tell the daemon how much GPU memory this session uses (MEM_UPDATE)."""
         await self.client._report_memory(self, used_bytes)
@@ -160,6 +164,7 @@ class AsyncClient(AsyncDriver):
         memory_probe: Callable[[], int] | None = None,
         framework_hooks: bool = True,
         task_id: str | None = None,
+        on_park: Callable[[], Any] | None = None,
     ) -> AsyncSession:
         """Attach to a GPU. ``core_limit``: percent of GPU time per window;
         ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
@@ -167,7 +172,10 @@ class AsyncClient(AsyncDriver):
         moved; with torch already imported, PyTorch's reserved memory is the
         default probe and ``mem_limit`` also caps PyTorch's allocator.
         ``on_lost`` is told at once when the session loses a lock it held. ``task_id``: the
-        fractional allocation the session belongs to, whose share caps its limits."""
+        fractional allocation the session belongs to, whose share caps its limits. ``on_park``
+        makes the session parkable (a supervisor of a program, ``gpuctl run``): it is told when
+        the daemon needs the program's GPU memory while the session does not hold the lock, and
+        answers with ``session.parked(ok, message)`` once the memory is in host memory (or not)."""
         s = AsyncSession(
             self,
             gpu,
@@ -183,6 +191,7 @@ class AsyncClient(AsyncDriver):
             framework_hooks=framework_hooks,
             memory_cap=default_memory_cap(framework_hooks),
             task_id=task_id,
+            on_park=on_park,
         )
         await self._request(lambda done: self._core.attach(s, done), "ATTACH", self.request_timeout)
         return s

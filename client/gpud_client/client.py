@@ -76,6 +76,10 @@ class Session(SessionState):
         """End an ``acquire`` (or give back a lock kept between slices) now."""
         self.client._release(self)
 
+    def parked(self, ok: bool, message: str = "") -> None:
+        """Answer the daemon's PARK: the program's GPU memory is in host memory (``ok``), or why not."""
+        self.client._parked(self, ok, message)
+
     def report_memory(self, used_bytes: int) -> None:
         """Tell the daemon how much GPU memory this session uses (MEM_UPDATE)."""
         self.client._report_memory(self, used_bytes)
@@ -159,6 +163,7 @@ class Client(SyncDriver):
         memory_probe: Callable[[], int] | None = None,
         framework_hooks: bool = True,
         task_id: str | None = None,
+        on_park: Callable[[], None] | None = None,
     ) -> Session:
         """Attach to a GPU. ``core_limit``: percent of GPU time per window;
         ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
@@ -166,7 +171,10 @@ class Client(SyncDriver):
         moved; with torch already imported, PyTorch's reserved memory is the
         default probe and ``mem_limit`` also caps PyTorch's allocator.
         ``on_lost`` is told at once when the session loses a lock it held. ``task_id``: the
-        fractional allocation the session belongs to, whose share caps its limits."""
+        fractional allocation the session belongs to, whose share caps its limits. ``on_park``
+        makes the session parkable (a supervisor of a program, ``gpuctl run``): it is told when
+        the daemon needs the program's GPU memory while the session does not hold the lock, and
+        answers with ``session.parked(ok, message)`` once the memory is in host memory (or not)."""
         s = Session(
             self,
             gpu,
@@ -182,6 +190,7 @@ class Client(SyncDriver):
             framework_hooks=framework_hooks,
             memory_cap=default_memory_cap(framework_hooks),
             task_id=task_id,
+            on_park=on_park,
         )
         self._request(lambda done: self._core.attach(s, done), "ATTACH", self.request_timeout)
         return s

@@ -46,6 +46,7 @@ _PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Name = Annotated[str, Meta(max_length=128, pattern=_PRINTABLE)]
 MAX_LABELS = 32
 Labels = Annotated[dict[Name, Name], Meta(max_length=MAX_LABELS)]
+Reason = Annotated[str, Meta(max_length=512, pattern=_PRINTABLE)]  # a client's one-line explanation
 MAX_GPUS = 1024  # the most GPUs one daemon serves: indexes, GPU lists and quantities are bounded by it
 # A GPU is named by its index, "gpu:N", or its UUID.
 GpuRef = Union[
@@ -197,6 +198,9 @@ class Attach(_Msg, tag="ATTACH", frozen=True, kw_only=True):
     mem_limit: Bytes | None = None  # use above it is reported back (MEM_LIMIT_EXCEEDED)
     mem_estimate: Bytes | None = None  # for admission; None with no report: the whole GPU
     task_id: TaskId | None = None  # a fractional allocation of this task sets the limits (unless lower)
+    # A supervised program (``gpuctl run``) that can park its GPU memory in host memory: while it
+    # does not hold the lock, its memory stays on the GPU until the daemon asks for it with PARK.
+    parkable: bool = False
 
 
 class Detach(_Msg, tag="DETACH", frozen=True, kw_only=True):
@@ -228,6 +232,17 @@ class MemUpdate(_Msg, tag="MEM_UPDATE", frozen=True, kw_only=True):
     id: RequestId
     session: SessionId
     used_bytes: Bytes
+
+
+class Parked(_Msg, tag="PARKED", frozen=True, kw_only=True):
+    """Answers a PARK push: the program's GPU memory is in host memory (``ok``), or it could not be
+    moved (``ok`` false, ``message`` says why: its memory stays on the GPU). Answered only by an
+    ERROR on refusal."""
+
+    id: RequestId
+    session: SessionId
+    ok: bool
+    message: Reason = ""
 
 
 class SetLimits(_Msg, tag="SET_LIMITS", frozen=True, kw_only=True):
@@ -379,6 +394,7 @@ ClientMessage = Union[
     LockRequest,
     LockReleased,
     MemUpdate,
+    Parked,
     SetLimits,
     SetMode,
     Acquire,
@@ -572,6 +588,13 @@ class DropLock(_Reply, tag="DROP_LOCK", frozen=True, kw_only=True):
     reason: DropReason
 
 
+class Park(_Reply, tag="PARK", frozen=True, kw_only=True):
+    """Push to a parkable session that does not hold the lock: the next holder needs the GPU memory
+    its program keeps there. Answered by PARKED."""
+
+    session: SessionId
+
+
 class Revoked(_Reply, tag="REVOKED", frozen=True, kw_only=True):
     session: SessionId
     grant: GrantNo
@@ -662,6 +685,8 @@ class SessionInfo(Struct, frozen=True, kw_only=True):
     mem_violations: int
     core_ceiling: int = 100  # set by an admin or a fractional allocation: the session cannot go above
     mem_ceiling_bytes: int | None = None
+    parkable: bool = False  # a supervised program that parks its memory when asked (gpuctl run)
+    parked: bool = False  # its memory is in host memory now
 
 
 class ClientInfo(Struct, frozen=True, kw_only=True):
@@ -696,6 +721,7 @@ DaemonMessage = Union[
     Error,
     LockOk,
     DropLock,
+    Park,
     Revoked,
     Goodbye,
     SchedState,

@@ -17,7 +17,7 @@ import structlog
 from gpud.core.authority import fraction_ceilings
 from gpud.core.errors import Refused
 from gpud.core.ledger import Allocation
-from gpud.core.scheduler import Drop, Grant, MemOverLimit, Revoke
+from gpud.core.scheduler import AskPark, Drop, Grant, MemOverLimit, ParkOverdue, Revoke
 from gpud.host.logging import debug
 from gpud.host.metrics import Metrics, session_labels
 from gpud.serving.parts import Part, Pieces
@@ -60,12 +60,15 @@ class Locks(Part):
         effects.on(Drop, self._dropped)
         effects.on(Revoke, self._revoked)
         effects.on(MemOverLimit, self._over_memory)
+        effects.on(AskPark, self._ask_park)
+        effects.on(ParkOverdue, self._park_overdue)
 
     def handlers(self) -> dict[type, Handler]:
         return {
             p.LockRequest: self.lock_request,
             p.LockReleased: self.lock_released,
             p.MemUpdate: self.mem_update,
+            p.Parked: self.parked,
             p.Attach: self.attach,
             p.Detach: self.detach,
             p.SetLimits: self.set_limits,
@@ -86,6 +89,15 @@ class Locks(Part):
         cells.hold.observe(held_us / 1e6)
         if drop_to_release_us is not None:
             cells.drop_to_release.observe(drop_to_release_us / 1e6)
+
+    def parked(self, conn: ClientLink, msg: p.Parked, now: int) -> None:
+        slot = self._owned(conn, msg.session)
+        effects = slot.scheduler.parked(msg.session, msg.ok, now)
+        if msg.ok:
+            log.info("session_parked", gpu=slot.gpu.index, session=msg.session, pid=conn.pid)
+        else:
+            log.warning("park_refused", gpu=slot.gpu.index, session=msg.session, pid=conn.pid, why=msg.message)
+        self.effects.carry_out(effects, now, slot)
 
     def mem_update(self, conn: ClientLink, msg: p.MemUpdate, now: int) -> None:
         self.report_memory(self._owned(conn, msg.session), msg.session, msg.used_bytes, now)
@@ -113,6 +125,7 @@ class Locks(Part):
             mem_limit=msg.mem_limit,
             core_ceiling=core_ceiling,
             mem_ceiling=mem_ceiling,
+            parkable=msg.parkable,
         )
         self.links.own(conn, sid, slot.gpu.index)
         self.effects.carry_out(effects, now, slot)
@@ -242,6 +255,18 @@ class Locks(Part):
         log.warning("lock_revoked", gpu=gpu, session=e.session, grant=e.grant, reason=str(e.reason), pid=owner.pid)
         self._cells[gpu].revocations[e.reason].value += 1
         self.links.send(owner, p.Revoked(session=e.session, grant=e.grant, reason=e.reason))
+
+    def _ask_park(self, e: AskPark, now: int) -> None:
+        owner = self.links.owners.get(e.session)
+        if owner is None:
+            return
+        log.info("park_asked", gpu=owner.sessions[e.session], session=e.session, pid=owner.pid)
+        self.links.send(owner, p.Park(session=e.session))
+
+    def _park_overdue(self, e: ParkOverdue, now: int) -> None:
+        owner = self.links.owners.get(e.session)
+        gpu = owner.sessions.get(e.session) if owner is not None else None
+        log.warning("park_overdue", gpu=gpu, session=e.session, pid=owner.pid if owner else None)
 
     def _over_memory(self, e: MemOverLimit, now: int) -> None:
         owner = self.links.owners.get(e.session)

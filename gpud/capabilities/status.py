@@ -132,6 +132,8 @@ def clients_reply(slots: list[GpuSlot], links: Links, rid: int, now: int) -> p.C
                     mem_violations=v.mem_violations,
                     core_ceiling=v.core_ceiling,
                     mem_ceiling_bytes=v.mem_ceiling,
+                    parkable=v.parkable,
+                    parked=v.parked,
                 )
             )
         out.append(

@@ -35,6 +35,18 @@ Rules kept here:
   0 (GPU_BUSY) or queue_limit waiters are already queued (QUEUE_FULL), and
   removed at max_wait (TIMEOUT). A lease held past hold_max is reported once
   (the watchdog) and, if configured, released by force.
+- Parking (``gpuctl run``): a parkable session's program keeps its GPU memory
+  while it does not hold the lock (it is paused, not gone), so that memory is
+  resident beside the holders; it counts from attach until the program parks it.
+  Before a waiter is granted, the resident memory of parkable sessions that do
+  not hold must fit beside it and the holders; if not, the scheduler asks
+  them to park (PARK), lowest priority and oldest grant first, as many as it
+  needs, and the grant waits for their PARKED. A park that is refused or not
+  answered within ``park_timeout`` leaves that memory counted and is not asked
+  again until the session has held the lock once more; when nothing more can
+  be asked, the waiter is granted as a GPU without gpud would (the driver may
+  refuse its allocations). A grant makes the session's memory resident again.
+  Off (SCHED_OFF), nothing is asked.
 - Restart grace (``grants_from``): before that time nothing is granted, lock
   or lease; requests queue as usual (a lease that may not wait is refused as
   busy) and are served in order when it ends. gpud sets it after a start that
@@ -61,6 +73,7 @@ from gpud.core.snapshots import HolderView, SchedulerView, SessionState, Session
 from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode, RevokeReason
 
 __all__ = [
+    "AskPark",
     "Drop",
     "Effect",
     "GpuScheduler",
@@ -68,6 +81,7 @@ __all__ = [
     "HoldOverdue",
     "LeaseDenied",
     "MemOverLimit",
+    "ParkOverdue",
     "Revoke",
     "SchedulerConfig",
 ]
@@ -118,7 +132,22 @@ class HoldOverdue:
     forced: bool  # released by force (lease_force_release)
 
 
-Effect = Grant | Drop | Revoke | MemOverLimit | LeaseDenied | HoldOverdue
+@dataclass(frozen=True, slots=True)
+class AskPark:
+    """Ask a parkable session's program to move its GPU memory to host memory (PARK)."""
+
+    session: int
+    grant: int  # its last grant (0: none yet), for the logs
+
+
+@dataclass(frozen=True, slots=True)
+class ParkOverdue:
+    """A park was not answered within ``park_timeout``: its memory stays counted."""
+
+    session: int
+
+
+Effect = Grant | Drop | Revoke | MemOverLimit | LeaseDenied | HoldOverdue | AskPark | ParkOverdue
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +160,7 @@ class SchedulerConfig:
     quota: QuotaConfig = QuotaConfig()
     lease_force_release: bool = False
     max_queue: int = 1024  # waiting lock requests per GPU
+    park_timeout_us: int = 120_000_000  # a PARK unanswered this long counts as refused
 
 
 @dataclass(slots=True)
@@ -163,6 +193,11 @@ class _Session:
     mem_violations: int = 0
     last_hold_us: int = 0
     last_drop_to_release_us: int | None = None
+    parkable: bool = False
+    resident: bool = False  # a parkable session's memory is on the GPU while it does not hold
+    park_asked_at: int | None = None
+    park_refused: bool = False  # refused (or timed out) since its last grant: not asked again
+    parks: int = 0
 
 
 class GpuScheduler:
@@ -181,6 +216,7 @@ class GpuScheduler:
         self._grants_from = grants_from  # no grant before this time (the restart grace), then None
         self._acc = ComputeAccounts(config.quota, now)
         self._sessions: dict[int, _Session] = {}
+        self._parkable: dict[int, _Session] = {}  # few: the rules that walk them cost nothing otherwise
         self._running: dict[int, _Session] = {}  # insertion order = grant order
         self._queue: list[tuple[int, int, int]] = []  # (-priority, seq, session)
         # (wait deadline, seq, session) of waiting leases; an entry whose seq is no longer the
@@ -205,8 +241,11 @@ class GpuScheduler:
         mem_limit: int | None = None,
         core_ceiling: int = 100,
         mem_ceiling: int | None = None,
+        parkable: bool = False,
     ) -> list[Effect]:
-        """Attach a session; the ceilings bound what it may later set itself."""
+        """Attach a session; the ceilings bound what it may later set itself. A parkable session's
+        memory counts as resident until its first PARKED (after a daemon restart, its program may
+        be paused with its memory on the GPU)."""
         if session in self._sessions:
             raise Refused(ErrorCode.INVALID, f"session {session} is already attached")
         _check_limit(core_limit)
@@ -221,7 +260,11 @@ class GpuScheduler:
             mem_limit=mem_limit,
             core_ceiling=core_ceiling,
             mem_ceiling=mem_ceiling,
+            parkable=parkable,
+            resident=parkable,
         )
+        if parkable:
+            self._parkable[session] = self._sessions[session]
         self._acc.add(session, core_limit, now)
         return self._settle(now)
 
@@ -339,6 +382,20 @@ class GpuScheduler:
         self._check_memory_limit(s, effects)
         return effects + self._settle(now)
 
+    def parked(self, session: int, ok: bool, now: int) -> list[Effect]:
+        """A parkable session's answer to PARK: its memory left the GPU (``ok``), or could not."""
+        s = self._get_session(session)
+        if not s.parkable:
+            raise Refused(ErrorCode.INVALID, f"session {session} was not attached as parkable")
+        s.park_asked_at = None
+        if s.state != "holding":  # a grant since the ask made its memory resident again
+            if ok:
+                s.resident = False
+                s.parks += 1
+            else:
+                s.park_refused = True
+        return self._settle(now)
+
     def set_tq(self, tq_us: int, now: int) -> list[Effect]:
         if tq_us <= 0:
             raise Refused(ErrorCode.INVALID, f"time quantum must be positive, got {tq_us} us")
@@ -386,6 +443,9 @@ class GpuScheduler:
             times.append(first_wait[0])
         if self._grants_from is not None and self._queue:
             times.append(self._grants_from)
+        for s in self._parkable.values():
+            if s.park_asked_at is not None:
+                times.append(s.park_asked_at + self._cfg.park_timeout_us)
         quota = self._acc.next_deadline()
         if quota is not None:
             times.append(quota)
@@ -445,6 +505,9 @@ class GpuScheduler:
             mem_violations=s.mem_violations,
             last_hold_us=s.last_hold_us,
             last_drop_to_release_us=s.last_drop_to_release_us,
+            parkable=s.parkable,
+            parked=s.parkable and not s.resident and s.state != "holding",
+            parks=s.parks,
         )
 
     def view(self, now: int) -> SchedulerView:
@@ -485,6 +548,8 @@ class GpuScheduler:
                 problems.append(f"session {sid} is {s.state} but not where that state belongs")
             if not self._acc.has(sid):
                 problems.append(f"session {sid} has no compute account")
+            if s.parkable != (self._parkable.get(sid) is s):
+                problems.append(f"session {sid}'s parkable flag disagrees with the parkable set")
         if problems:
             raise Inconsistent("; ".join(problems[:5]))
 
@@ -546,6 +611,8 @@ class GpuScheduler:
         if self._grants_from is not None and now >= self._grants_from:
             self._grants_from = None  # the restart grace is over
         self._acc.settle(now)
+        if self._parkable:
+            self._park_overdue(now, effects)
         if self._running:
             self._revoke_unresponsive(now, effects)
             if self._enabled:
@@ -616,6 +683,7 @@ class GpuScheduler:
         elif s.state == "waiting":
             self._dequeue(s)
         del self._sessions[s.id]
+        self._parkable.pop(s.id, None)
         self._acc.remove(s.id, now)
 
     def _admissible_now(self, s: _Session) -> bool:
@@ -669,12 +737,15 @@ class GpuScheduler:
             if not self._fits(s):
                 self._preempt_for(s, now, effects)
                 return
+            if self._enabled and not self._room_beside_parkable(s, now, effects):
+                return  # parks asked: the grant waits for their PARKED
             self._dequeue(s)
             s.state = "holding"
             s.grant = next(self._grant_seq)
             s.granted_at = now
             s.tq_dropped = False
             s.drop_reason = None
+            s.resident, s.park_asked_at, s.park_refused = s.parkable, None, False
             s.grants += 1
             s.wait_us += now - s.requested_at
             self._grants += 1
@@ -703,6 +774,38 @@ class GpuScheduler:
                 for c in chosen:
                     self._drop(c, DropReason.PREEMPT, now, effects)
                 return
+
+    def _room_beside_parkable(self, waiter: _Session, now: int, effects: list[Effect]) -> bool:
+        """Whether ``waiter`` may be granted beside the memory parkable sessions keep on the GPU;
+        if not, ask enough of them to park. False while an asked park is still out."""
+        resident = [r for r in self._resident if r is not waiter]
+        if not resident:
+            return True
+        held = sum(self._need(h) for h in self._running.values())
+        over = self._need(waiter) + held + sum(self._need(r) for r in resident) - self._capacity()
+        out = False
+        for r in sorted(resident, key=lambda r: (r.priority, r.grant)):
+            if over <= 0:
+                break
+            if r.park_refused:
+                continue
+            if r.park_asked_at is None:
+                r.park_asked_at = now
+                effects.append(AskPark(r.id, r.grant))
+            out = True
+            over -= self._need(r)
+        return not out
+
+    @property
+    def _resident(self) -> list[_Session]:
+        """Parkable sessions whose memory is on the GPU while they do not hold."""
+        return [s for s in self._parkable.values() if s.resident and s.state != "holding"]
+
+    def _park_overdue(self, now: int, effects: list[Effect]) -> None:
+        for s in self._parkable.values():
+            if s.park_asked_at is not None and now >= s.park_asked_at + self._cfg.park_timeout_us:
+                s.park_asked_at, s.park_refused = None, True
+                effects.append(ParkOverdue(s.id))
 
     def _fits_beside(self, waiter: _Session, holders: list[_Session]) -> bool:
         if not holders:

@@ -51,6 +51,9 @@ class SessionView:
     mem_violations: int
     last_hold_us: int  # the most recent hold, for metrics
     last_drop_to_release_us: int | None  # how long that hold's DROP_LOCK took to be answered
+    parkable: bool = False
+    parked: bool = False  # a parkable session whose memory is in host memory
+    parks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

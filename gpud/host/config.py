@@ -66,6 +66,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     simulate: str | None = None
     tq_s: Seconds = 30.0  # the bounds of SET_TQ
     drop_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    # A PARK (gpuctl run: move a paused program's GPU memory to host memory) unanswered this long
+    # counts as refused. Checkpoints move a few GB a second: 120 s covers a whole large GPU.
+    park_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 120.0
     mode: Mode = Mode.AUTO
     memory_reserve_percent: Annotated[int, Meta(ge=0, le=90)] = 10
     # Compute limits. The defaults of carryover and drop tail were chosen by

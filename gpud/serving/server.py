@@ -230,6 +230,7 @@ def scheduler_config(config: Config, gpu: Gpu) -> SchedulerConfig:
         memory_reserve_percent=config.memory_reserve_percent,
         lease_force_release=config.lease_force_release,
         max_queue=config.max_lock_queue,
+        park_timeout_us=round(config.park_timeout_s * 1e6),
         quota=QuotaConfig(
             window_us=round(config.compute_window_s * 1e6),
             carryover_percent=config.quota_carryover_percent,

@@ -18,28 +18,23 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar, get_args
+from collections.abc import Sequence
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 
 from gpud.tools.top import gpu_memory, gpu_mode, reserve_note
 from gpud.tools.top import run as run_top
+from gpud_client import argtypes as at
 from gpud_client import protocol as p
+from gpud_client.argtypes import UsageError
 from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.runinfo import run_info
 from gpud_client.taskenv import allocation_env
-from gpud_client.units import fixed_gpus, format_bytes, parse_bytes, printable
+from gpud_client.units import format_bytes, printable
 
 M = TypeVar("M", bound=msgspec.Struct)
-
-
-class UsageError(Exception):
-    """Bad input on the command line: exit 2, before anything is sent."""
-
-    def __init__(self, message: str, usage: str = "", prog: str = "gpuctl") -> None:
-        super().__init__(message)
-        self.message, self.usage, self.prog = message, usage, prog
 
 
 class Failed(GpudError):
@@ -58,10 +53,6 @@ def _connect(args: argparse.Namespace) -> Connection:
     conn = Connection(args.socket)
     conn.hello("gpuctl")
     return conn
-
-
-def _gpu_ref(text: str) -> int | str:
-    return int(text) if text.isdigit() else text
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -138,21 +129,36 @@ def render_clients(reply: p.ClientsReply) -> str:
                     _drops(s.drops) + (f" revoked={s.revocations}" if s.revocations else ""),
                 ]
             )
-    header = [
-        "CLIENT",
-        "NAME",
-        "PID",
-        "GPU#SESSION",
-        "STATE",
-        "LIMIT",
-        "WINDOW",
-        "RECENT",
-        "MEM USED/LIMIT",
-        "GRANTS",
-        "WAITED",
-        "DROPS",
+    table = _table(
+        rows,
+        [
+            "CLIENT",
+            "NAME",
+            "PID",
+            "GPU#SESSION",
+            "STATE",
+            "LIMIT",
+            "WINDOW",
+            "RECENT",
+            "MEM USED/LIMIT",
+            "GRANTS",
+            "WAITED",
+            "DROPS",
+        ],
+    )
+    sessions: list[tuple[p.ClientInfo, p.SessionInfo | None]] = []
+    for c in reply.clients:
+        sessions.extend((c, s) for s in c.sessions)
+        if not c.sessions:
+            sessions.append((c, None))
+    runs = [
+        [str(c.client_id), run.program_pid, run.backend, run.state, run.command]
+        for c, s in sessions
+        if (run := run_info(c, s)) is not None
     ]
-    return _table(rows, header)
+    if not runs:
+        return table
+    return table + "\n\nRUNS\n" + _table(runs, ["CLIENT", "PROGRAM PID", "BACKEND", "STATE", "COMMAND"])
 
 
 def render_leases(reply: p.LeasesReply) -> str:
@@ -397,198 +403,6 @@ def cmd_limit(args: argparse.Namespace) -> None:
     )
 
 
-# --- checking what gpuctl is given: argparse names the flag, each message the bounds and unit ---
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if x == int(x) else f"{x:g}"
-
-
-def _bounds(limit: Any, scale: float = 1) -> str:
-    meta = get_args(limit)[1]
-    return f"{_num(meta.ge / scale)}..{_num(meta.le / scale)}"
-
-
-def _limited(
-    limit: Any, parse: Callable[[str], float], unit: str = "", *, what: str = "", scale: int = 1
-) -> Callable[[str], Any]:
-    """An argparse type held to one of the protocol's limits, so gpuctl keeps no copy of them.
-    ``scale``: the protocol's units per the flag's (1000: the flag is in seconds, the wire in ms)."""
-    subject = f"{what} " if what else ""
-    unit = f" {unit}" if unit else ""
-    whole = " (a whole number)" if parse is int else ""
-
-    def check(text: str) -> Any:
-        try:
-            value = parse(text)
-            return msgspec.convert(value if scale == 1 else round(value * scale), limit)
-        except msgspec.ValidationError:  # a ValueError too: first
-            raise argparse.ArgumentTypeError(f"{subject}must be {_bounds(limit, scale)}{unit}, got {text}") from None
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(
-                f"{subject}must be {_bounds(limit, scale)}{unit}{whole}, got {text!r}"
-            ) from None
-
-    return check
-
-
-_priority = _limited(p.Priority, int)
-_core_percent = _limited(p.CoreLimit, int, "percent of GPU time")
-_max_wait = _limited(p.Millis, int, "milliseconds")
-_hold_max = _limited(p.HoldMaxMs, int, "milliseconds")
-_queue_limit = _limited(p.QueueLimit, int, "waiting requests")
-_cpus = _limited(p.CpuCount, int, "CPU cores")
-_wait = _limited(p.Millis, float, "seconds", scale=1000)  # -> milliseconds, as the wire has them
-_tq = _limited(p.Seconds, float, "seconds", what="the time quantum")
-
-
-def _priority_arg(text: str) -> int | str:
-    if text in {c.value for c in p.PriorityClass}:
-        return text
-    try:
-        return int(_priority(text))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be {_bounds(p.Priority)} or production, high, normal, best-effort; got {text!r}"
-        ) from None
-
-
-def _gpus(text: str) -> float:
-    """A whole number of GPUs >= 1 or a fraction of one, exact to the ledger's 1/10000 (0: CPU cores alone)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 1 and value.is_integer() or 0 <= value < 1):  # nan and inf fail both
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number of GPUs >= 1 or a fraction 0 < x < 1 of one GPU, got {text!r}"
-        )
-    try:
-        msgspec.convert(value, p.Gpus)
-        fixed_gpus(value)
-    except msgspec.ValidationError:
-        raise argparse.ArgumentTypeError(f"must be at most {_num(get_args(p.Gpus)[1].le)} GPUs, got {text}") from None
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _owner_pid(text: str) -> int:
-    """A process of this machine: the daemon reclaims the allocation of a dead owner at once."""
-    try:
-        pid: int = msgspec.convert(int(text), p.Pid)
-    except (ValueError, msgspec.ValidationError):
-        raise argparse.ArgumentTypeError(f"must be a process id {_bounds(p.Pid)}, got {text!r}") from None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        raise argparse.ArgumentTypeError(
-            f"no process {pid} on this machine: gpud would reclaim the allocation at once"
-        ) from None
-    except PermissionError:
-        pass  # it exists, as another user's
-    return pid
-
-
-def _char(c: str) -> str:
-    if c == " ":
-        return "a space"
-    return f"a control character ({printable(c)})" if printable(c) != c else repr(c)
-
-
-def _text(limit: Any, noun: str) -> Callable[[str], str]:
-    """An argparse type for a name whose length and characters the protocol limits."""
-    meta = get_args(limit)[1]
-    allowed = re.fullmatch(r"\^\[(A-Za-z0-9)?([^]^][^]]*)\]\+\$", meta.pattern)
-    hint = f" (allowed: {'letters, digits and ' if allowed[1] else ''}{allowed[2]})" if allowed else ""
-
-    def check(text: str) -> str:
-        try:
-            return str(msgspec.convert(text, limit))
-        except msgspec.ValidationError:
-            pass
-        if not text:
-            raise argparse.ArgumentTypeError(f"{noun} must not be empty")
-        if meta.max_length is not None and len(text) > meta.max_length:
-            raise argparse.ArgumentTypeError(f"{noun} must be at most {meta.max_length} characters, got {len(text)}")
-        bad = next((c for c in text if not re.fullmatch(meta.pattern, c)), None)
-        what = f"may not contain {_char(bad)}" if bad else f"must match {meta.pattern}"
-        raise argparse.ArgumentTypeError(f"{noun} {what}, got {printable(text)!r}{hint}")
-
-    return check
-
-
-_task_id = _text(p.TaskId, "a task id")
-_task_type = _text(p.TaskType, "a task type")
-_tenant = _text(p.Name, "a tenant name")
-
-
-def _ref(limit: Any, what: str) -> Callable[[str], int | str]:
-    """An argparse type for a number or a name (a GPU, a client), held to the protocol's type."""
-
-    def check(text: str) -> int | str:
-        try:
-            ref: int | str = msgspec.convert(_gpu_ref(text), limit)
-        except msgspec.ValidationError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(text)!r}") from None
-        return ref
-
-    return check
-
-
-_gpu_arg = _ref(p.GpuRef, f"a GPU index 0..{p.MAX_GPUS - 1}, gpu:N or a GPU's UUID")
-_client_arg = _ref(p.ClientRef, "a client id (1 or more) or a client name (printable)")
-
-
-def _prefer_arg(text: str) -> list[int | str]:
-    return [_gpu_arg(x) for x in text.split(",")]
-
-
-def _size_arg(text: str) -> int:
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} is negative, and negative sizes are not allowed (0 lifts the limit)"
-        )
-    try:
-        size: int = msgspec.convert(parse_bytes(text), p.Bytes)
-    except msgspec.ValidationError:  # a ValueError too: first
-        raise argparse.ArgumentTypeError(f"must be {_bounds(p.Bytes)} bytes, got {text}") from None
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return size
-
-
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return int(text)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value <= 86400:
-        raise argparse.ArgumentTypeError(f"seconds must be > 0 and <= 86400, got {text}")
-    return value
-
-
-# --- the parser ---------------------------------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing and exiting, so main answers it (in
-    JSON with --json); it takes '-1GiB' or '-3' as a value, so that value's check names it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = re.compile(r"^-\.?\d")
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message, self.format_usage(), self.prog)
-
-
 class _Version(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
@@ -611,7 +425,7 @@ def versions() -> dict[str, str | int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+    common = at.Parser(add_help=False)
     # SUPPRESS: an option given before or after the command both count.
     common.add_argument(
         "--socket", default=argparse.SUPPRESS, help="gpud socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)"
@@ -622,77 +436,82 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="machine-readable output; errors as JSON on stderr",
     )
-    ap = _Parser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
+    ap = at.Parser(prog="gpuctl", description="Inspect and steer gpud.", parents=[common])
     ap.add_argument("--version", action=_Version, help="print gpuctl's, gpud's and gpud-client's versions")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[common], help="per GPU: mode, TQ, holder, queue, clients").set_defaults(
         func=cmd_status
     )
     top = sub.add_parser("top", parents=[common], help="live view of GPUs, sessions and leases (q to quit)")
-    top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS")
-    top.add_argument("--count", type=_count, metavar="N", help="stop after N refreshes (default: until q)")
+    top.add_argument("--interval", type=at.positive_seconds, default=1.0, metavar="SECONDS")
+    top.add_argument("--count", type=at.count, metavar="N", help="stop after N refreshes (default: until q)")
     top.set_defaults(func=cmd_top)
     sub.add_parser("clients", parents=[common], help="connected clients and their sessions").set_defaults(
         func=cmd_clients
     )
     gpu_help = "index, gpu:N or UUID (default: every GPU)"
     tq = sub.add_parser("tq", parents=[common], help="set the time quantum (admin)")
-    tq.add_argument("seconds", type=_tq, metavar="SECONDS", help=f"{_bounds(p.Seconds)} seconds")
-    tq.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
+    tq.add_argument("seconds", type=at.tq, metavar="SECONDS", help=f"{at.bounds(p.Seconds)} seconds")
+    tq.add_argument("--gpu", type=at.gpu_arg, help=gpu_help)
     tq.set_defaults(func=cmd_tq)
     sched = sub.add_parser("sched", parents=[common], help="turn the scheduler on or off (admin)")
     sched.add_argument("state", choices=["on", "off"])
-    sched.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
+    sched.add_argument("--gpu", type=at.gpu_arg, help=gpu_help)
     sched.set_defaults(func=cmd_sched)
     mode = sub.add_parser("mode", parents=[common], help="serial, concurrent or auto admission (admin)")
     mode.add_argument("mode", choices=[m.value for m in p.Mode])
-    mode.add_argument("--gpu", type=_gpu_arg, help=gpu_help)
+    mode.add_argument("--gpu", type=at.gpu_arg, help=gpu_help)
     mode.set_defaults(func=cmd_mode)
     limit = sub.add_parser("limit", parents=[common], help="a client's compute/memory limits (admin for others)")
-    limit.add_argument("client", type=_client_arg, metavar="CLIENT", help="client id or name (see gpuctl clients)")
+    limit.add_argument("client", type=at.client_arg, metavar="CLIENT", help="client id or name (see gpuctl clients)")
     limit.add_argument(
-        "--core", type=_core_percent, metavar="PERCENT", help=f"{_bounds(p.CoreLimit)} percent of GPU time"
+        "--core", type=at.core_percent, metavar="PERCENT", help=f"{at.bounds(p.CoreLimit)} percent of GPU time"
     )
-    limit.add_argument("--mem", type=_size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
-    limit.add_argument("--gpu", type=_gpu_arg, help="only the session on this GPU")
+    limit.add_argument("--mem", type=at.size_arg, metavar="SIZE", help="e.g. 8GiB, 512MiB or bytes; 0 lifts it")
+    limit.add_argument("--gpu", type=at.gpu_arg, help="only the session on this GPU")
     limit.set_defaults(func=cmd_limit)
+    sub.add_parser(
+        "run",
+        add_help=False,
+        help="run an unmodified program on a shared GPU: paused between its turns (gpuctl run --help)",
+    )
     alloc = sub.add_parser("alloc", parents=[common], help="assign GPUs/CPU cores to a task; prints shell exports")
     alloc.add_argument(
         "--task",
-        type=_task_id,
+        type=at.task_id,
         required=True,
         help="the task id (the same id with the same terms again: the same allocation)",
     )
     alloc.add_argument(
         "--gpus",
-        type=_gpus,
+        type=at.gpus,
         default=1.0,
         help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1)",
     )
-    alloc.add_argument("--cpus", type=_cpus, default=0, help="CPU cores (default 0)")
-    alloc.add_argument("--prefer", type=_prefer_arg, default=[], help="GPUs to try first, e.g. 2,3")
+    alloc.add_argument("--cpus", type=at.cpus, default=0, help="CPU cores (default 0)")
+    alloc.add_argument("--prefer", type=at.prefer_arg, default=[], help="GPUs to try first, e.g. 2,3")
     alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
-    alloc.add_argument("--tenant", type=_tenant)
+    alloc.add_argument("--tenant", type=at.tenant)
     alloc.add_argument(
-        "--priority", type=_priority_arg, help=f"{_bounds(p.Priority)} or production|high|normal|best-effort"
+        "--priority", type=at.priority_arg, help=f"{at.bounds(p.Priority)} or production|high|normal|best-effort"
     )
     alloc.add_argument(
         "--wait",
         dest="wait_ms",
-        type=_wait,
+        type=at.wait,
         default=0,
         metavar="SECONDS",
-        help=f"wait up to this long for room ({_bounds(p.Millis, 1000)} seconds)",
+        help=f"wait up to this long for room ({at.bounds(p.Millis, 1000)} seconds)",
     )
     alloc.add_argument(
         "--owner-pid",
-        type=_owner_pid,
+        type=at.owner_pid,
         metavar="PID",
         help="reclaim the allocation when this process (of this machine) dies",
     )
     alloc.set_defaults(func=cmd_alloc)
     free = sub.add_parser("free", parents=[common], help="release a task's allocation")
-    free.add_argument("--task", type=_task_id, required=True)
+    free.add_argument("--task", type=at.task_id, required=True)
     free.set_defaults(func=cmd_free)
     sub.add_parser("allocs", parents=[common], help="allocations, per-GPU shares, CPU cores, tenants").set_defaults(
         func=cmd_allocs
@@ -701,16 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
     pol.add_argument(
         "task_type",
-        type=_task_type,
+        type=at.task_type,
         nargs="?",
         metavar="TASK_TYPE",
         help="ASR, NMT, TTS, SEMANTIC_REPAIR, OTHER or any name",
     )
-    pol.add_argument("--priority", type=_priority, metavar=_bounds(p.Priority))
+    pol.add_argument("--priority", type=at.priority, metavar=at.bounds(p.Priority))
     pol.add_argument("--busy", choices=[b.value for b in p.BusyPolicy], help="busy policy")
-    pol.add_argument("--max-wait", type=_max_wait, metavar="MS")
-    pol.add_argument("--queue-limit", type=_queue_limit, metavar="N")
-    pol.add_argument("--hold-max", type=_hold_max, metavar="MS")
+    pol.add_argument("--max-wait", type=at.max_wait, metavar="MS")
+    pol.add_argument("--queue-limit", type=at.queue_limit, metavar="N")
+    pol.add_argument("--hold-max", type=at.hold_max, metavar="MS")
     pol.set_defaults(func=cmd_policy)
     return ap
 
@@ -725,6 +544,10 @@ def _fail(as_json: bool, code: str, message: str, status: int, text: str) -> int
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # its own parser: everything after -- is the program's
+        from gpud_client.run import main as run_main
+
+        return run_main(argv[1:], prog="gpuctl run")
     as_json = "--json" in argv  # known before parsing: a usage error is answered in JSON too
     try:
         args = build_parser().parse_args(argv)

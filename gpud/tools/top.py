@@ -22,6 +22,7 @@ import msgspec
 
 from gpud_client import protocol as p
 from gpud_client.connection import Connection
+from gpud_client.runinfo import run_info
 from gpud_client.units import format_bytes, printable
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -77,13 +78,15 @@ def frame(
                 f"{'MEMORY':>15} {'GRANTS':>6} {'DROPS':<12}"
             )
         for c, s in rows:
-            state = ("▶ " if s.session in held else "  ") + s.state + (" throttled" if s.throttled else "")
+            run = run_info(c, s)
+            what = s.state if run is None else f"run {run.state}"
+            state = ("▶ " if s.session in held else "  ") + what + (" throttled" if s.throttled else "")
             limit = "-" if s.core_limit >= 100 else f"{s.core_limit}%"
             used = "-" if s.mem_used_bytes is None else format_bytes(s.mem_used_bytes)
             cap = "" if s.mem_limit_bytes is None else "/" + format_bytes(s.mem_limit_bytes)
             drops = ",".join(f"{k}={v}" for k, v in sorted(s.drops.items())) or "-"
             lines.append(
-                f"  {printable(c.name)[:16] or '?':<16} {c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
+                f"  {printable(c.name)[:16] or '?':<16} {run.program_pid if run else c.pid:>7} {state:<18} {limit:>5} {s.window_share_percent:>6.1f}% "
                 f"{s.recent_share_percent:>6.1f}% {used + cap:>15} {s.grants:>6} {drops:<12}"
             )
         for le in (x for x in leases.leases if x.gpu == g.index):

@@ -81,6 +81,14 @@ class CallOnLost:
 
 
 @dataclass(frozen=True, slots=True)
+class CallOnPark:
+    """The daemon asks the session to park its program's GPU memory (PARK): run its ``on_park()``;
+    the session answers later with ``parked(ok, message)``."""
+
+    session: SessionState
+
+
+@dataclass(frozen=True, slots=True)
 class ApplyMemoryLimit:
     """The session's memory limit changed: cap the framework's allocator (PyTorch) where it is used."""
 
@@ -100,8 +108,8 @@ class Log:
     text: str
 
 
-Action = Send | Resolve | Wake | ArmIdle | CallOnDrop | GiveBack | CallOnLost | ApplyMemoryLimit | Log
-Hook = CallOnDrop | GiveBack | CallOnLost
+Action = Send | Resolve | Wake | ArmIdle | CallOnDrop | GiveBack | CallOnLost | CallOnPark | ApplyMemoryLimit | Log
+Hook = CallOnDrop | GiveBack | CallOnLost | CallOnPark
 
 
 def reconnect_delay(attempt: int, draw: float) -> float:

@@ -26,6 +26,7 @@ from gpud_client.core.actions import (
     ApplyMemoryLimit,
     CallOnDrop,
     CallOnLost,
+    CallOnPark,
     GiveBack,
     Level,
     Log,
@@ -185,6 +186,12 @@ class ClientCore(SliceRules):
                 return self._drop(msg)
             case p.Revoked():
                 return self._revoked(msg)
+            case p.Park(session=sid):
+                if (s := self.sessions.get(sid)) is None:
+                    return NO_ACTIONS
+                if s.on_park is None:
+                    return self.send(p.Parked(id=0, session=sid, ok=False, message="this session cannot park"))
+                return [CallOnPark(s)]
             case p.LimitsChanged(session=sid, core_limit=core, mem_limit=mem):
                 s = self.sessions.get(sid)
                 return NO_ACTIONS if s is None else self._limits(s, core, mem)
@@ -298,6 +305,13 @@ class ClientCore(SliceRules):
         s.state = "releasing"
         return [GiveBack(s, grant)]
 
+    def parked(self, s: SessionState, ok: bool, message: str) -> list[Action]:
+        """The session's answer to PARK; nothing when it is not attached (a re-attach counts its
+        memory as on the GPU until the next PARK is answered)."""
+        if not s.id or s.closed:
+            return NO_ACTIONS
+        return self.send(p.Parked(id=0, session=s.id, ok=ok, message=message[:512]))
+
     def _revoked(self, msg: p.Revoked) -> list[Action]:
         s = self.sessions.get(msg.session)
         if s is None or s.grant != msg.grant or s.state not in ("holding", "releasing"):
@@ -323,4 +337,5 @@ def attach_msg(s: SessionState) -> p.Attach:
         mem_limit=s.mem_limit,
         mem_estimate=s.mem_estimate,
         task_id=s.task_id,
+        parkable=s.on_park is not None,
     )

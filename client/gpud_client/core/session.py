@@ -34,6 +34,7 @@ class SessionState:
         synchronize: Callable[[], Any] | None = None,
         on_lost: Callable[[LockLost], Any] | None = None,
         task_id: str | None = None,
+        on_park: Callable[[], Any] | None = None,
     ) -> None:
         self.gpu_ref = gpu
         self.task_id = task_id  # the fractional allocation it belongs to (its share caps the limits)
@@ -47,6 +48,7 @@ class SessionState:
         self.on_drop = on_drop
         self.synchronize = synchronize
         self.on_lost = on_lost
+        self.on_park = on_park  # set: the session is parkable (ATTACH says so); see ``CallOnPark``
         self.mem_reported: int | None = None
         self.mem_error: MemoryLimitExceeded | None = None
         self.memory_total_bytes = 0

@@ -1,0 +1,110 @@
+"""``gpud-run`` (and ``gpuctl run``): run an unmodified program under gpud.
+
+The program runs on a shared GPU only while the run's session holds the lock; in
+between its whole process tree is paused: through the CUDA driver's checkpoint API
+(``cuda``: lock and unlock, and park its memory in host memory when gpud needs it)
+where the driver has it, or by SIGSTOP and SIGCONT (``signal``) elsewhere. See
+docs/run.md. ``main`` is the command line; ``python -m gpud_client.run`` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from gpud_client.argtypes import UsageError
+from gpud_client.errors import DaemonUnavailable, GpudError
+from gpud_client.proctl.base import Backend
+from gpud_client.proctl.keeper import Keeper
+from gpud_client.proctl.signals import SignalBackend
+from gpud_client.run.options import CommandError, RunOptions, check_command, parse
+from gpud_client.run.supervisor import Supervisor, connect
+from gpud_client.runinfo import run_labels
+
+__all__ = ["RunOptions", "Supervisor", "main"]
+
+
+class _Fail(Exception):
+    pass
+
+
+def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
+    """The backend ``--pause`` names; ``auto`` says which it took and why. Raises _Fail when
+    ``cuda`` was asked for and the driver cannot do it."""
+    if opts.pause == "signal":
+        return SignalBackend()
+    from gpud_client.proctl.cuda import CudaBackend, CudaDriver
+
+    driver = CudaDriver()
+    why_not = driver.probe()
+    if why_not is None:
+        return CudaBackend(
+            driver=driver, lock_timeout_ms=opts.lock_timeout_ms, gpu_free=sup.gpu_free, memory_of=sup.memory_of
+        )
+    driver.close()
+    if opts.pause == "cuda":
+        raise _Fail(f"--pause cuda: the CUDA driver's checkpoint API is not available: {why_not}")
+    sup.say(f"pausing with SIGSTOP/SIGCONT (signal): the CUDA checkpoint API is not available: {why_not}")
+    return SignalBackend()
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        opts = parse(argv, prog)
+    except UsageError as exc:
+        print(f"{exc.usage}{exc.prog}: error: {exc.message}", file=sys.stderr)
+        return 2
+    sup = Supervisor(opts, prog=prog)
+    try:
+        check_command(opts.command)
+    except CommandError as exc:
+        sup.say(str(exc))
+        return exc.status
+    exclusive = opts.whole_gpus
+    try:
+        backend = None if exclusive else choose_backend(opts, sup)
+    except _Fail as exc:
+        sup.say(str(exc))
+        return 1
+    keeper = Keeper.start(opts.command)
+    client = allocated = None
+    try:
+        client = connect(
+            opts, run_labels(opts.command, keeper.program_pid, backend.name if backend else "none"), sup.say
+        )
+        if client is not None and opts.gpus is not None:
+            allocated = client.allocate(
+                opts.task_id(),
+                opts.gpus,
+                cpus=opts.cpus,
+                tenant=opts.tenant,
+                priority=opts.priority,
+                wait_ms=opts.wait_ms,
+                owner_pid=os.getpid(),  # the run frees it; killed, gpud reclaims it at once
+            )
+    except DaemonUnavailable as exc:
+        sup.say(f"{exc} (start gpud, or give --on-missing run to run the program without it)")
+        return _abandon(keeper, client, backend)
+    except GpudError as exc:
+        sup.say(f"gpud refused the allocation: {exc}")
+        return _abandon(keeper, client, backend)
+    sup.use(backend if client is not None and not exclusive else None)
+    if backend is not None and sup.backend is None:
+        backend.close()
+    try:
+        return sup.run(keeper, client, allocated)
+    except GpudError as exc:
+        sup.say(str(exc))
+        return 1
+
+
+def _abandon(keeper: Keeper, client: object, backend: Backend | None) -> int:
+    keeper.close()
+    if backend is not None:
+        backend.close()
+    close = getattr(client, "close", None)
+    if close is not None:
+        close()
+    return 1

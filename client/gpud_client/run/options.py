@@ -1,0 +1,215 @@
+"""What ``gpuctl run`` / ``gpud-run`` is given, checked before anything is asked of gpud.
+
+Two ways to give the program a GPU: a place on one GPU like a session (``--gpu``,
+``--core-limit``, ``--mem-limit``, ``--mem-estimate``, ``--priority``), or an
+allocation as ``gpuctl alloc`` makes it (``--gpus``, ``--cpus``, ``--task``,
+``--tenant``, ``--wait``), owned by the run. Options that belong to the other way, or
+that would do nothing, are refused with the reason; so is a command that cannot be
+found (exit 127) or executed (126).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpud_client import argtypes as at
+from gpud_client import protocol as p
+from gpud_client.argtypes import UsageError
+
+PAUSE_BACKENDS = ("auto", "cuda", "signal")
+NOT_FOUND, NOT_EXECUTABLE = 127, 126
+
+
+class CommandError(Exception):
+    """The command cannot be run: ``status`` is the shell's (127 not found, 126 not executable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    command: list[str]
+    socket: str | None = None
+    name: str = ""
+    # a place on one GPU
+    gpu: int | str = 0
+    core_limit: int = 100
+    mem_limit: int | None = None
+    mem_estimate: int | None = None
+    priority: int | str | None = None
+    # an allocation (gpus not None)
+    gpus: float | None = None
+    cpus: int = 0
+    task: str | None = None
+    tenant: str | None = None
+    wait_ms: int = 0
+    # how
+    pause: str = "auto"
+    idle_release: float | None = None
+    signal_grace: float = 5.0
+    lock_timeout_ms: int = 1000
+    on_missing: str = "error"
+
+    @property
+    def whole_gpus(self) -> bool:
+        """An allocation of whole GPUs: the program has them to itself and is never paused."""
+        return self.gpus is not None and self.gpus >= 1
+
+    def task_id(self) -> str:
+        return self.task or f"run-{socket.gethostname()}-{os.getpid()}"
+
+
+_SESSION_ONLY = {"gpu": "--gpu"}
+_ALLOCATION_ONLY = {"cpus": "--cpus", "task": "--task", "tenant": "--tenant", "wait_ms": "--wait"}
+_SHARED_GPU_ONLY = {
+    "core_limit": "--core-limit",
+    "mem_limit": "--mem-limit",
+    "mem_estimate": "--mem-estimate",
+    "idle_release": "--idle-release",
+}
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    ap = at.Parser(
+        prog=prog,
+        description="Run an unmodified program under gpud: it runs on a shared GPU only while its turn "
+        "lasts, paused (its whole process tree) in between.",
+        usage=f"{prog} [OPTIONS] -- CMD [ARGS...]",
+    )
+    ap.add_argument("--socket", help="gpud's socket (default: $GPUD_SOCKET or /run/gpud/gpud.sock)")
+    ap.add_argument("--name", type=at.tenant, help="the name gpuctl clients shows (default: run:CMD)")
+    one = ap.add_argument_group("a place on one GPU, like a session")
+    one.add_argument("--gpu", type=at.gpu_arg, help="the GPU: index, gpu:N or UUID (default 0)")
+    one.add_argument("--core-limit", type=at.core_percent, metavar="PERCENT", help="percent of GPU time")
+    one.add_argument("--mem-limit", type=at.size_arg, metavar="SIZE", help="e.g. 8GiB")
+    one.add_argument("--mem-estimate", type=at.size_arg, metavar="SIZE", help="GPU memory admission counts")
+    one.add_argument("--priority", type=at.priority_arg, help=f"{at.bounds(p.Priority)} (or a class, allocations)")
+    alloc = ap.add_argument_group("an allocation, owned by the run and freed when it ends")
+    alloc.add_argument("--gpus", type=at.gpus, help="whole number >= 1 (exclusive) or a fraction of one GPU")
+    alloc.add_argument("--cpus", type=at.cpus, help="CPU cores")
+    alloc.add_argument("--task", type=at.task_id, help="the task id (default run-HOST-PID)")
+    alloc.add_argument("--tenant", type=at.tenant)
+    alloc.add_argument("--wait", dest="wait_ms", type=at.wait, metavar="SECONDS", help="wait up to this long for room")
+    how = ap.add_argument_group("how the program is paused")
+    how.add_argument(
+        "--pause",
+        choices=PAUSE_BACKENDS,
+        default="auto",
+        help="cuda: the driver's checkpoint API; signal: SIGSTOP/SIGCONT; auto (default): cuda where the driver has it",
+    )
+    how.add_argument(
+        "--idle-release",
+        type=at.positive_seconds,
+        metavar="SECONDS",
+        help="give the GPU back after this long without activity (default: never)",
+    )
+    how.add_argument(
+        "--signal-grace",
+        type=at.positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="a paused program resumed to receive a signal runs at most this long before it waits again (5)",
+    )
+    how.add_argument(
+        "--lock-timeout",
+        dest="lock_timeout_ms",
+        type=at.max_wait,
+        default=1000,
+        metavar="MS",
+        help="cuda: how long a pause waits for submitted GPU work before falling back to SIGSTOP (1000)",
+    )
+    how.add_argument(
+        "--on-missing",
+        choices=("error", "run"),
+        default="error",
+        help="no gpud at start: fail (default), or run the program unarbitrated with a warning",
+    )
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    return ap
+
+
+def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
+    """The options, or UsageError naming what is wrong (exit 2); the command is checked separately
+    (``check_command``)."""
+    ap = build_parser(prog)
+    args = ap.parse_args(list(argv))
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("give the program to run after --, e.g. -- python train.py", ap.format_usage(), prog)
+    given = {k for k, v in vars(args).items() if v is not None and k != "command"} - {
+        "pause",
+        "signal_grace",
+        "lock_timeout_ms",
+        "on_missing",
+    }
+
+    def refuse(message: str) -> UsageError:
+        return UsageError(message, ap.format_usage(), prog)
+
+    if args.gpus is not None:
+        if "gpu" in given:
+            raise refuse("--gpu (a place on one GPU) and --gpus (an allocation) do not go together: pick one")
+        if args.gpus == 0:
+            raise refuse("argument --gpus: a run needs a GPU: a whole number >= 1 or a fraction 0 < x < 1")
+        if args.gpus >= 1:
+            useless = [flag for key, flag in _SHARED_GPU_ONLY.items() if key in given]
+            if useless:
+                raise refuse(
+                    f"{', '.join(useless)} do nothing with whole GPUs (--gpus {args.gpus:g}): "
+                    "the program has them to itself and is never paused"
+                )
+    else:
+        alloc_only = [flag for key, flag in _ALLOCATION_ONLY.items() if key in given]
+        if alloc_only:
+            raise refuse(f"{', '.join(alloc_only)} belong to an allocation: add --gpus N or a fraction such as 0.5")
+        if isinstance(args.priority, str):
+            raise refuse(f"argument --priority: a class ({args.priority}) is for allocations (--gpus); give a number")
+    return RunOptions(
+        command=command,
+        socket=args.socket,
+        name=args.name or f"run:{os.path.basename(command[0])}"[:128],
+        gpu=0 if args.gpu is None else args.gpu,
+        core_limit=100 if args.core_limit is None else args.core_limit,
+        mem_limit=args.mem_limit,
+        mem_estimate=args.mem_estimate,
+        priority=args.priority,
+        gpus=args.gpus,
+        cpus=args.cpus or 0,
+        task=args.task,
+        tenant=args.tenant,
+        wait_ms=args.wait_ms or 0,
+        pause=args.pause,
+        idle_release=args.idle_release,
+        signal_grace=args.signal_grace,
+        lock_timeout_ms=args.lock_timeout_ms,
+        on_missing=args.on_missing,
+    )
+
+
+def check_command(command: list[str], path: str | None = None) -> str:
+    """The executable ``command[0]`` names, or CommandError as a shell would say it."""
+    name = command[0]
+    if "/" in name:
+        if not os.path.exists(name):
+            raise CommandError(NOT_FOUND, f"{name}: no such file")
+        found = name
+    else:
+        found = shutil.which(name, path=path) or ""
+        if not found:
+            if shutil.which(name, mode=os.F_OK, path=path):
+                raise CommandError(NOT_EXECUTABLE, f"{name}: permission denied (not executable)")
+            raise CommandError(NOT_FOUND, f"{name}: command not found")
+    if os.path.isdir(found):
+        raise CommandError(NOT_EXECUTABLE, f"{name}: is a directory")
+    if not os.access(found, os.X_OK):
+        raise CommandError(NOT_EXECUTABLE, f"{name}: permission denied (not executable)")
+    return found
