@@ -687,6 +687,7 @@ class SessionInfo(Struct, frozen=True, kw_only=True):
     mem_ceiling_bytes: int | None = None
     parkable: bool = False  # a supervised program that parks its memory when asked (gpuctl run)
     parked: bool = False  # its memory is in host memory now
+    parks: int = 0  # how many times it parked
 
 
 class ClientInfo(Struct, frozen=True, kw_only=True):

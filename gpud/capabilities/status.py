@@ -134,6 +134,7 @@ def clients_reply(slots: list[GpuSlot], links: Links, rid: int, now: int) -> p.C
                     mem_ceiling_bytes=v.mem_ceiling,
                     parkable=v.parkable,
                     parked=v.parked,
+                    parks=v.parks,
                 )
             )
         out.append(

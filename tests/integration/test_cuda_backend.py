@@ -420,7 +420,10 @@ def test_resume_refuses_a_restore_the_gpu_has_no_room_for(
     program = run_program()
     (pid,) = program.started(1)
     free = [10 * MiB]
-    backend = CudaBackend(driver=driver, gpu_free=lambda: free[0], memory_of=lambda _: 64 * MiB)
+    # as NVML reads it: a parked process holds nothing on the GPU, so its size is kept from the park
+    backend = CudaBackend(
+        driver=driver, gpu_free=lambda: free[0], memory_of=lambda pid: context(fake, pid)["device_bytes"]
+    )
     backend.pause(program.tree)
     backend.park(program.tree)
 

@@ -123,6 +123,7 @@ class RunCore:
         self.repause_at: float | None = None
         self.mem_reported: int | None = None
         self.resumed_from: RunState = "paused"
+        self.last_park_bytes: int | None = None  # what the last park moved (the driver says)
         self.pauses = 0
         self.idle_releases = 0
 

@@ -232,6 +232,7 @@ class CudaBackend:
         self.driver = driver or CudaDriver()
         self.signals = signals or SignalBackend()
         self.lock_timeout_ms = lock_timeout_ms
+        self._parked_bytes: dict[int, int] = {}  # what each parked pid held on the GPU when parked
         self.gpu_free = gpu_free
         self.memory_of = memory_of
         self._held: dict[int, _Held] = {}
@@ -322,6 +323,7 @@ class CudaBackend:
             )
         moved = 0
         for pid in locked:
+            size = self._memory(pid)  # read before: NVML shows nothing of a parked process
             try:
                 self.driver.checkpoint(pid)
             except CudaError as e:
@@ -330,7 +332,8 @@ class CudaBackend:
                     continue
                 raise ControlError(f"checkpoint of pid {pid} failed: {e}; its GPU state is unknown", fatal=True) from e
             self._held[pid] = _Held.PARKED
-            moved += self._memory(pid)
+            self._parked_bytes[pid] = size
+            moved += size
         return moved
 
     def resume(self, tree: ProcessTree) -> None:
@@ -341,6 +344,7 @@ class CudaBackend:
         for pid in parked:  # all restored before any is unlocked: no rank runs while one is missing
             if self._undo(pid, "restore", self.driver.restore):
                 self._held[pid] = _Held.LOCKED
+            self._parked_bytes.pop(pid, None)
         for pid in [pid for pid, h in self._held.items() if h is _Held.LOCKED]:
             if self._undo(pid, "unlock", self.driver.unlock):
                 del self._held[pid]
@@ -355,7 +359,7 @@ class CudaBackend:
         if not parked or self.gpu_free is None:
             return
         free = self.gpu_free()
-        need = sum(self._memory(pid) for pid in parked)
+        need = sum(self._parked_bytes.get(pid, 0) for pid in parked)
         if free is not None and free < need:
             raise ControlError(
                 f"the GPU has {free / MiB:,.0f} MiB free, the parked processes need {need / MiB:,.0f} MiB; "

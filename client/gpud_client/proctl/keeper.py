@@ -138,6 +138,7 @@ def _reap() -> None:
 
 
 def _main(fd: int, argv: list[str]) -> int:
+    os.set_inheritable(fd, False)  # the program must not hold the run's socket: its end is the run's end
     sock = socket.socket(fileno=fd)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

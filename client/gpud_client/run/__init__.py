@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import IO
 
 from gpud_client.argtypes import UsageError
 from gpud_client.errors import DaemonUnavailable, GpudError
@@ -22,7 +23,7 @@ from gpud_client.run.options import CommandError, RunOptions, check_command, par
 from gpud_client.run.supervisor import Supervisor, connect
 from gpud_client.runinfo import run_labels
 
-__all__ = ["RunOptions", "Supervisor", "main"]
+__all__ = ["RunOptions", "Supervisor", "main", "parse", "run_program"]
 
 
 class _Fail(Exception):
@@ -50,13 +51,24 @@ def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
+    """The command line: the program's exit status, or the run's own (1: gpud refused or failed,
+    2: bad usage, 126/127: the command cannot be executed / found)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         opts = parse(argv, prog)
     except UsageError as exc:
         print(f"{exc.usage}{exc.prog}: error: {exc.message}", file=sys.stderr)
         return 2
-    sup = Supervisor(opts, prog=prog)
+    return run_program(opts, prog=prog)
+
+
+def run_program(
+    opts: RunOptions, *, prog: str = "gpud-run", err: IO[str] | None = None, forward_signals: bool = True
+) -> int:
+    """Run ``opts.command`` under gpud as ``gpud-run`` does, from Python (the Ray and Airflow
+    integrations): returns its exit status. ``forward_signals`` needs the main thread; without it,
+    the caller ends the run by ending the program."""
+    sup = Supervisor(opts, prog=prog, err=err, forward_signals=forward_signals)
     try:
         check_command(opts.command)
     except CommandError as exc:

@@ -56,6 +56,7 @@ class RunOptions:
     signal_grace: float = 5.0
     lock_timeout_ms: int = 1000
     on_missing: str = "error"
+    trace: str | None = None
 
     @property
     def whole_gpus(self) -> bool:
@@ -67,7 +68,7 @@ class RunOptions:
 
 
 _SESSION_ONLY = {"gpu": "--gpu"}
-_ALLOCATION_ONLY = {"cpus": "--cpus", "task": "--task", "tenant": "--tenant", "wait_ms": "--wait"}
+_ALLOCATION_ONLY = {"cpus": "--cpus", "tenant": "--tenant", "wait_ms": "--wait"}
 _SHARED_GPU_ONLY = {
     "core_limit": "--core-limit",
     "mem_limit": "--mem-limit",
@@ -94,7 +95,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     alloc = ap.add_argument_group("an allocation, owned by the run and freed when it ends")
     alloc.add_argument("--gpus", type=at.gpus, help="whole number >= 1 (exclusive) or a fraction of one GPU")
     alloc.add_argument("--cpus", type=at.cpus, help="CPU cores")
-    alloc.add_argument("--task", type=at.task_id, help="the task id (default run-HOST-PID)")
+    alloc.add_argument(
+        "--task",
+        type=at.task_id,
+        help="the task id (default run-HOST-PID); without --gpus: the session belongs to this task's "
+        "existing fractional allocation, whose share caps it",
+    )
     alloc.add_argument("--tenant", type=at.tenant)
     alloc.add_argument("--wait", dest="wait_ms", type=at.wait, metavar="SECONDS", help="wait up to this long for room")
     how = ap.add_argument_group("how the program is paused")
@@ -131,6 +137,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         default="error",
         help="no gpud at start: fail (default), or run the program unarbitrated with a warning",
     )
+    how.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="append one JSON line per event (DROP_LOCK, pause, release, grant, resume, park) with its time",
+    )
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     return ap
 
@@ -150,6 +161,7 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         "signal_grace",
         "lock_timeout_ms",
         "on_missing",
+        "trace",
     }
 
     def refuse(message: str) -> UsageError:
@@ -192,6 +204,7 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         signal_grace=args.signal_grace,
         lock_timeout_ms=args.lock_timeout_ms,
         on_missing=args.on_missing,
+        trace=args.trace,
     )
 
 

@@ -11,6 +11,7 @@ tree is paused: the queue wakes the main thread at once.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import select
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
@@ -59,11 +60,37 @@ FOREVER_S = 365 * 86400.0  # how long a paused program waits for gpud to come ba
 class _Event:
     kind: str  # granted, grant_failed, drop, lost, park, exited, signal
     value: Any = None
+    t_ns: int = field(default_factory=time.monotonic_ns)  # when it happened (the hook ran), for --trace
+
+
+class Trace:
+    """``--trace FILE``: one JSON line per event and per action carried out, with
+    ``time.monotonic_ns()`` (one clock for every process of the machine): when a DROP_LOCK
+    came, when the tree was paused, when LOCK_RELEASED went, parks and restores with their
+    bytes. For operators diagnosing a run, and for bench/run_share.py and bench/gpu_run.py."""
+
+    def __init__(self, path: str | None) -> None:
+        self.out = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
+
+    def event(self, what: str, t_ns: int | None = None, **fields: Any) -> None:
+        if self.out is None:
+            return
+        record = {"t": time.monotonic_ns() if t_ns is None else t_ns, "event": what}
+        record.update((k, v) for k, v in fields.items() if v is not None)
+        self.out.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
 
 
 class Supervisor:
-    def __init__(self, opts: RunOptions, *, prog: str, err: IO[str] | None = None) -> None:
+    def __init__(
+        self, opts: RunOptions, *, prog: str, err: IO[str] | None = None, forward_signals: bool = True
+    ) -> None:
         self.opts = opts
+        self.forward_signals = forward_signals
+        self.trace = Trace(opts.trace)
         self.backend: Backend | None = None  # None: never paused (whole GPUs, no daemon)
         self.prog = prog
         self.err = err or sys.stderr
@@ -108,11 +135,10 @@ class Supervisor:
             self.owned_task = allocated.task_id
             self.env.update(allocation_env(allocated, client.path if client else None))
             self.cpus = list(allocated.cpus)
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED} if self.forward_signals else {}
         try:
             if client is not None and self.backend is not None:
                 self._open_session(client, allocated)
-            threading.Thread(target=self._watch_program, name="gpud-run-program", daemon=True).start()
             return self._loop()
         finally:
             for sig, handler in previous.items():
@@ -131,7 +157,7 @@ class Supervisor:
             mem_estimate=opts.mem_estimate,
             memory_probe=lambda: 0,
             framework_hooks=False,
-            task_id=allocated.task_id if allocated is not None else None,
+            task_id=allocated.task_id if allocated is not None else opts.task,
             on_drop=lambda reason: self.events.put(_Event("drop", reason)),
             on_lost=lambda error: self.events.put(_Event("lost", error)),
             on_park=(lambda: self.events.put(_Event("park"))) if self.core.can_park else None,
@@ -166,6 +192,7 @@ class Supervisor:
 
     def _handle(self, ev: _Event, now: float) -> list[RunAction]:
         core = self.core
+        self.trace.event(ev.kind, ev.t_ns, value=ev.value if ev.kind in ("signal", "exited") else None)
         match ev.kind:
             case "granted":
                 return core.granted(now)
@@ -210,6 +237,15 @@ class Supervisor:
         return None
 
     def _do(self, action: RunAction) -> list[RunAction] | int:
+        result = self._act(action)
+        if self.trace.out is not None and not isinstance(action, Request):
+            name = type(action).__name__.lower()
+            detail = getattr(action, "why", None) or getattr(action, "used_bytes", None) or getattr(action, "ok", None)
+            moved = self.core.last_park_bytes if isinstance(action, Park) else None
+            self.trace.event(name, detail=detail, bytes=moved)
+        return result
+
+    def _act(self, action: RunAction) -> list[RunAction] | int:
         keeper, tree, backend, session = self.keeper, self.tree, self.backend, self.session
         assert keeper is not None and tree is not None
         match action:
@@ -219,6 +255,8 @@ class Supervisor:
                 except OSError as exc:
                     self.say(str(exc.strerror))
                     return exc.errno or 1
+                # only now: before, the keeper's answer to go is not the program's end
+                threading.Thread(target=self._watch_program, name="gpud-run-program", daemon=True).start()
             case Pause():
                 assert backend is not None
                 paused = backend.pause(tree)
@@ -244,6 +282,7 @@ class Supervisor:
                     if exc.fatal:
                         raise
                     return self.core.park_done(False, str(exc))
+                self.core.last_park_bytes = moved
                 return self.core.park_done(True, f"{moved} bytes to host memory")
             case AnswerPark(ok=ok, message=message):
                 assert session is not None
@@ -301,6 +340,7 @@ class Supervisor:
             self.keeper.close()  # ends whatever is left of the tree
         if self.backend is not None:
             self.backend.close()
+        self.trace.close()
         if self.client is not None:
             if self.session is not None:
                 try:
