@@ -386,6 +386,7 @@ def test_whole_gpus_are_exclusive_and_never_paused(
 
 def test_gpuctl_clients_shows_a_run_as_a_run(daemon_factory: Callable[..., DaemonProcess], runs: Runs) -> None:
     from gpud.tools.gpuctl import render_clients
+    from gpud.tools.top import frame
 
     d = daemon_factory("--simulate", "1", "--mode", "serial", "--tq", "30")
     r = runs(d, "shown")
@@ -396,3 +397,75 @@ def test_gpuctl_clients_shows_a_run_as_a_run(daemon_factory: Callable[..., Daemo
     assert run.labels[PID] == str(pid)
     text = render_clients(reply)
     assert "RUNS" in text and f"{pid}" in text and "signal" in text and "running" in text and "burner.py" in text
+    with Client(d.socket, name="test") as c:
+        status, leases = c.call(p.Status(id=0)), c.call(p.ListLeases(id=0))
+    row = next(line for line in frame(status, reply, leases, None, styled=False) if line.strip().startswith("shown"))
+    assert f" {pid} " in row and "run running" in row  # top: the program's pid and the run's state
+
+
+# --- the client alone -------------------------------------------------------------------------------
+
+ONLY_THE_CLIENT = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"gpud", "trio", "pynvml", "prometheus_client", "structlog", "ray", "airflow", "cuda"}:
+            raise ImportError(f"{name} is not on a task host that has only the client")
+sys.meta_path.insert(0, Block())
+import gpud_client.run, gpud_client.proctl.cuda, gpud_client.runinfo
+from gpud_client.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_task_host_with_only_the_client_can_run_programs(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory("--simulate", "1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ONLY_THE_CLIENT,
+            "--socket",
+            d.socket,
+            "--",
+            sys.executable,
+            "-c",
+            "raise SystemExit(5)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 5, done.stderr
+    assert "pausing with SIGSTOP/SIGCONT (signal)" in done.stderr  # auto: no binding, and it says so
+
+
+def test_gpuctl_run_is_the_same_command(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory("--simulate", "1")
+    argv = [sys.executable, "-m", "gpud.tools.gpuctl", "run", "--socket", d.socket, "--pause", "signal", "--"]
+    done = subprocess.run(
+        [*argv, sys.executable, "-c", "raise SystemExit(6)"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 6, done.stderr
+    usage = subprocess.run([*argv[:4], "--gpus", "2.5", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: gpuctl run")
+
+
+def test_the_programs_gpu_memory_is_reported_from_nvml(
+    daemon_factory: Callable[..., DaemonProcess], runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run reads NVML's per-process memory (here tests/fakenvml) for its program's tree."""
+    import json
+
+    state = tmp_path / "nvml.json"
+    gpu = {"name": "Fake", "uuid": "GPU-fake", "total": 16 * 2**30, "procs": {}}
+    state.write_text(json.dumps({"gpus": [gpu]}))
+    fakenvml = str(Path(__file__).resolve().parents[1] / "fakenvml")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fakenvml, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_NVML_STATE", str(state))
+    d = daemon_factory("--simulate", "1")
+    r = runs(d, "measured")
+    pid = r.program_pid()
+    gpu["procs"] = {str(pid): 3 * 2**30}
+    state.write_text(json.dumps({"gpus": [gpu]}))
+    eventually(lambda: (s := session_of(d, "measured")) is not None and s.mem_used_bytes == 3 * 2**30, "reported")
