@@ -8,6 +8,7 @@ A TaskFlow task takes the decorator under ``@task``; a classic operator takes th
 
     class GpuBashOperator(GpuResourcesMixin, BashOperator): ...
     GpuBashOperator(task_id="fit", bash_command="python fit.py", gpus=0.25)
+    GpuBashOperator(task_id="infer", bash_command="python infer.py", gpus=0.25, pause="signal")  # see below
 
 In the task's own process, around the operator's execution, a try:
 
@@ -29,6 +30,9 @@ daemon's words for what was short), so Airflow's retries apply; a request this n
 hold fails with ``GpuRequestInvalid``, without retries. A fractional allocation also caps the
 gpud sessions the task (or its children) opens on that GPU: the daemon matches them by pid.
 
+``pause=`` (fractional tasks) runs the operator's command (its ``subprocess_hook``) or the function (a
+child process, ``gpud_client.run.pycall``) under ``gpud-run --gpu G --task ID``, paused between turns.
+
 This module never frees an id other than its own task instance's (and that only while this
 process owns it, or at the start of a try), never keeps the allocation past the try, and never
 leaves the environment, affinity or SIGTERM handler changed after it. One allocation per task:
@@ -46,7 +50,7 @@ import socket as _socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import msgspec
 
@@ -63,6 +67,9 @@ from gpud_client.client import Client
 from gpud_client.core.messages import allocate_msg
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.taskenv import ProcessChanges, allocation_env
+
+if TYPE_CHECKING:  # gpud_client.run is imported where pause= is used
+    from gpud_client.run.pycall import Pause, Place
 
 __all__ = [
     "XCOM_KEY",
@@ -83,6 +90,7 @@ _MAX_ID = 256  # protocol.TaskId
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+=-]")
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
 _current: list[p.Allocated] = []  # this process's running try: one at a time
+_ALLOCATION_ENV = "_GPUD_AIRFLOW_ALLOCATION"  # the try's allocation, in a paused function's child process
 
 
 class GpuResourcesUnavailable(GpudError, AirflowException):
@@ -113,10 +121,15 @@ class GpuRequest:
     strategy: str = "first_fit"  # first_fit|best_fit|round_robin|least_loaded|random
     prefer: tuple[int | str, ...] = field(default=())  # GPUs to try first
     socket: str | None = None  # None: $GPUD_SOCKET of the worker, else /run/gpud/gpud.sock
+    pause: Pause | None = None  # a fractional task's code runs under gpud-run, paused whole between turns
 
     def __post_init__(self) -> None:
         if not (0 < self.gpus < 1 or float(self.gpus).is_integer() and self.gpus >= 1):
             raise ValueError(f"gpu_resources: gpus must be whole GPUs or a fraction of one, not {self.gpus}")
+        if self.pause is not None:
+            from gpud_client.run.pycall import check_pause
+
+            check_pause(self.pause, "gpu_resources", gpus=self.gpus)
         try:
             msgspec.convert(msgspec.to_builtins(self.message("check", None)), p.Allocate)
         except (msgspec.ValidationError, ValueError) as exc:
@@ -151,6 +164,8 @@ def gpud_task_id(dag_id: str, run_id: str, task_id: str, map_index: int | None =
 
 def current_allocation() -> p.Allocated:
     """The running task's allocation (task_id, gpus, uuids, share, cpus, cuda_visible_devices, ...)."""
+    if not _current and _ALLOCATION_ENV in os.environ:  # a paused function's child process
+        _current.append(msgspec.json.decode(os.environ[_ALLOCATION_ENV], type=p.Allocated))
     if not _current:
         raise RuntimeError(
             "no gpud allocation: call current_allocation() inside a task run with "
@@ -265,6 +280,23 @@ def _release(client: Client, task_id: str) -> None:
         )
 
 
+def _call_paused(request: GpuRequest, allocated: p.Allocated, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    from gpud_client.run.pycall import call_under_run
+
+    # As Airflow's PythonVirtualenvOperator does for its child: Airflow, if the function imports it,
+    # then leaves alone the database that the task process's environment names (blocked, unusable)
+    env = {"PYTHON_OPERATORS_VIRTUAL_ENV_MODE": "1", _ALLOCATION_ENV: msgspec.json.encode(allocated).decode()}
+    return call_under_run(_place(request, allocated), func, args, kwargs, pickler="dill", env=env)
+
+
+def _place(request: GpuRequest, allocated: p.Allocated) -> Place:
+    from gpud_client.run.pycall import Place  # a session on the task's GPU that belongs to its allocation
+
+    socket, name, pause = p.resolve_socket_path(request.socket), f"airflow-run:{os.getpid()}", request.pause
+    assert pause is not None
+    return Place(socket=socket, gpu=allocated.gpus[0], task_id=allocated.task_id, pause=pause, name=name)
+
+
 def _as_dict(allocated: p.Allocated) -> dict[str, Any]:
     data: dict[str, Any] = msgspec.to_builtins(allocated)
     data.pop("id", None)
@@ -292,6 +324,7 @@ def gpu_resources(
     strategy: str = "first_fit",
     prefer: list[int | str] | None = None,
     socket: str | None = None,
+    pause: Pause | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -307,8 +340,10 @@ def gpu_resources(
     strategy: str = "first_fit",
     prefer: list[int | str] | None = None,
     socket: str | None = None,
+    pause: Pause | None = None,
 ) -> F | Callable[[F], F]:
-    """Wrap a TaskFlow task's function (put ``@task`` above it): it runs holding its allocation."""
+    """Wrap a TaskFlow task's function (put ``@task`` above it): it runs holding its allocation. With
+    ``pause``, in a child process under gpud-run: its arguments and result must pickle (dill)."""
     request = GpuRequest(
         gpus=gpus,
         cpus=cpus,
@@ -318,12 +353,15 @@ def gpu_resources(
         strategy=strategy,
         prefer=tuple(prefer or ()),
         socket=socket,
+        pause=pause,
     )
 
     def wrap(func: F) -> F:
         @functools.wraps(func)  # keeps the signature: @task injects context arguments by name
         def run(*args: Any, **kwargs: Any) -> Any:
-            with _holding(request, get_current_context()):
+            with _holding(request, get_current_context()) as allocated:
+                if request.pause is not None:
+                    return _call_paused(request, allocated, func, args, kwargs)
                 return func(*args, **kwargs)
 
         return run  # type: ignore[return-value]
@@ -336,7 +374,8 @@ class GpuResourcesMixin(BaseOperator):
     The operator then takes gpu_resources' options as keyword arguments, and its ``execute`` runs
     holding the allocation. A BaseOperator itself, so that Airflow's operator metaclass handles its
     ``__init__`` (defaults from ``default_args``, XComArg dependencies) as it does any operator's.
-    Templated fields are rendered before ``execute``: they cannot name the GPUs, the environment can."""
+    Templated fields are rendered before ``execute``: they cannot name the GPUs, the environment can.
+    ``pause`` runs the command of an operator with a ``subprocess_hook`` (BashOperator) under gpud-run."""
 
     gpu_request: GpuRequest
 
@@ -351,6 +390,7 @@ class GpuResourcesMixin(BaseOperator):
         strategy: str = "first_fit",
         prefer: list[int | str] | None = None,
         socket: str | None = None,
+        pause: Pause | None = None,
         **kwargs: Any,
     ) -> None:
         request = GpuRequest(
@@ -362,10 +402,19 @@ class GpuResourcesMixin(BaseOperator):
             strategy=strategy,
             prefer=tuple(prefer or ()),
             socket=socket,
+            pause=pause,
         )
+        if pause is not None and not hasattr(type(self), "subprocess_hook"):
+            raise ValueError(
+                f"{type(self).__name__}: pause= runs the operator's command under gpud-run, and it runs none "
+                "through a subprocess_hook (BashOperator does); for a function use @gpu_resources(pause=...)"
+            )
         super().__init__(**kwargs)
         self.gpu_request = request
 
     def execute(self, context: Context) -> Any:
-        with _holding(self.gpu_request, context):
-            return super().execute(context)
+        with _holding(self.gpu_request, context) as allocated:
+            if self.gpu_request.pause is None:
+                return super().execute(context)
+            with _place(self.gpu_request, allocated).commands_of(getattr(self, "subprocess_hook")):  # noqa: B009
+                return super().execute(context)

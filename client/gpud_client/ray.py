@@ -24,6 +24,10 @@ time-sliced lock::
     @gpud_actor                      # every method call is a slice; the session lives with the actor
     class Model: ...
 
+    @ray.remote(num_gpus=0.25)
+    @gpud_task(pause="signal")       # the body in a child process under gpud-run, paused whole between turns
+    def render(scene): ...
+
 A whole body (and a sync actor's call) is a ``PausableSlice``: when gpud asks the task to yield (its
 budget is used, or its time quantum is up) the body is paused at its next Python bytecode, gives the
 lock back and goes on at its next grant, so a task of any length keeps to its share instead of being
@@ -51,7 +55,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 try:
     import ray
@@ -66,6 +70,9 @@ from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.frameworks import torch_synchronize
 from gpud_client.pausing import PausableSlice, Slices
 from gpud_client.units import parse_bytes
+
+if TYPE_CHECKING:  # gpud_client.run is imported where pause= is used
+    from gpud_client.run.pycall import Pause, Place
 
 log = logging.getLogger("gpud_client.ray")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,17 +95,18 @@ class Options:
 
 
 class Binding:
-    """One task's (or actor's) place on its node's gpud: its allocation and its sessions.
+    """One task's (or actor's) place on its node's gpud: its allocation and its sessions. ``sessions`` is
+    empty when the task has no GPU or the node has no gpud (on_missing="warn"): its slices then run
+    unarbitrated. With ``pause`` (fractional): no session; ``place`` is where its run takes one."""
 
-    ``sessions`` is empty when the task has no GPU or the node has no gpud (on_missing="warn"):
-    its slices then run unarbitrated."""
-
-    def __init__(self, key: str, options: Options) -> None:
+    def __init__(self, key: str, options: Options, pause: Pause | None = None) -> None:
         self.key = key
         self.options = options
+        self.pause = pause
         self.client: Client | None = None
         self.task_id = ""
         self.sessions: list[Session] = []
+        self.place: Place | None = None
 
     def open(self) -> Binding:
         ctx = ray.get_runtime_context()
@@ -126,7 +134,10 @@ class Binding:
                     "gpud's ledger has other allocations there; Ray and gpud must own the same GPUs"
                 )
             memory = self._memory_limit()
-            for local, gpu in enumerate(ids):  # Ray makes the task's GPUs its CUDA devices 0, 1, ...
+            if self.pause is not None and share < 1:  # whole GPUs are the task's alone: nothing to pause
+                self.place = self._place(ids[0], share, memory)
+            sliced = ids if self.place is None else []
+            for local, gpu in enumerate(sliced):  # Ray makes the task's GPUs its CUDA devices 0, 1, ...
                 self.sessions.append(
                     self.client.session(
                         gpu,
@@ -142,7 +153,8 @@ class Binding:
         except BaseException:
             self.close()
             raise
-        log.info("gpud enforces %s: %.4g of GPU %s", self.task_id, share, ids)
+        how = f"paused whole by gpud-run --pause {self.pause}" if self.place else "in slices"
+        log.info("gpud enforces %s: %.4g of GPU %s, %s", self.task_id, share, ids, how)
         return self
 
     def _free_earlier_attempt(self) -> None:
@@ -154,6 +166,14 @@ class Binding:
         except ProtocolError as exc:
             if exc.code != p.ErrorCode.UNKNOWN_TASK:
                 raise
+
+    def _place(self, gpu: int, share: float, memory: int | None) -> Place:
+        from gpud_client.run.pycall import Place
+
+        assert self.client is not None and self.pause is not None
+        estimate, name = self._estimate(gpu, share), f"ray-run:{os.getpid()}"
+        place = Place(socket=self.client.path, gpu=gpu, task_id=self.task_id, pause=self.pause, name=name)
+        return replace(place, mem_limit=memory, mem_estimate=estimate, priority=self.options.priority)
 
     def _memory_limit(self) -> int | None:
         memory = self.options.memory
@@ -275,26 +295,41 @@ def current_sessions() -> list[Session]:
 
 
 def gpud_task(
-    fn: F | None = None, *, slices: Literal["body", "explicit"] = "body", **options: Any
+    fn: F | None = None,
+    *,
+    slices: Literal["body", "explicit"] = "body",
+    pause: Pause | None = None,
+    **options: Any,
 ) -> F | Callable[[F], F]:
-    """Wrap a Ray task's function: enforced on its node's gpud while it runs; freed when it ends."""
+    """Wrap a Ray task's function: enforced on its node's gpud while it runs; freed when it ends. ``pause``
+    ("auto", "signal", "cuda"): a fractional body runs in a child process paused whole (docs/ray.md)."""
+    if pause is not None:
+        from gpud_client.run.pycall import check_pause
+
+        check_pause(pause, "gpud_task", slices=slices)
 
     def wrap(func: F) -> F:
         chosen = replace(_defaults, **options)
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            return _run_task(func, chosen, slices == "body", args, kwargs)
+            return _run_task(func, chosen, slices == "body", args, kwargs, pause)
 
         return run  # type: ignore[return-value]
 
     return wrap if fn is None else wrap(fn)
 
 
-def _run_task(func: Callable[..., Any], options: Options, whole: bool, args: Any, kwargs: Any) -> Any:
+def _run_task(
+    func: Callable[..., Any], options: Options, whole: bool, args: Any, kwargs: Any, pause: Pause | None = None
+) -> Any:
     key = _current_key()
-    binding = _bindings[key] = _running.binding = Binding(key, options).open()
+    binding = _bindings[key] = _running.binding = Binding(key, options, pause).open()
     try:
+        if binding.place is not None:  # supervised from this thread: Ray's cancel ends the child's tree
+            from gpud_client.run.pycall import call_under_run
+
+            return call_under_run(binding.place, func, args, kwargs, pickler="ray.cloudpickle")
         if whole:
             with binding.body():
                 return func(*args, **kwargs)
@@ -307,6 +342,11 @@ def _run_task(func: Callable[..., Any], options: Options, whole: bool, args: Any
 
 def gpud_actor(cls: C | None = None, **options: Any) -> C | Callable[[C], C]:
     """Wrap a Ray actor class: its session lives as long as the actor; each method call is a slice."""
+    if "pause" in options:
+        raise TypeError(
+            "gpud_actor does not take pause=: an actor's state lives in its worker process, where its sync "
+            "calls are paused already; pause= (a child process under gpud-run) is for gpud_task"
+        )
 
     def wrap(klass: C) -> C:
         chosen = replace(_defaults, **options)

@@ -469,3 +469,27 @@ def test_the_programs_gpu_memory_is_reported_from_nvml(
     gpu["procs"] = {str(pid): 3 * 2**30}
     state.write_text(json.dumps({"gpus": [gpu]}))
     eventually(lambda: (s := session_of(d, "measured")) is not None and s.mem_used_bytes == 3 * 2**30, "reported")
+
+
+def test_a_run_never_mistakes_the_keepers_answer_to_go_for_the_programs_end(
+    daemon_factory: Callable[..., DaemonProcess],
+) -> None:
+    """The program's watcher used to start before the program did, and took the keeper's "started"
+    for the program's end half of the time: the run then waited for ever. Five runs in a row."""
+    d = daemon_factory("--simulate", "1")
+    for i in range(5):
+        done = _run("--pause", "signal", "--", sys.executable, "-c", f"raise SystemExit({i})", socket=d.socket)
+        assert done.returncode == i, done.stderr
+
+
+def test_joining_an_allocation_that_is_not_there_is_refused(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory("--simulate", "2")
+    done = _run("--pause", "signal", "--gpu", "0", "--task", "typo", "--", "true", socket=d.socket)
+    assert done.returncode == 1 and "--task typo: gpud has no allocation of that task" in done.stderr
+    with Client(d.socket, name="test") as c:
+        c.allocate("job-2", 0.5, prefer=[1])
+        done = _run("--pause", "signal", "--gpu", "0", "--task", "job-2", "--", "true", socket=d.socket)
+        assert done.returncode == 1 and "its allocation is on GPU [1], not on GPU 0" in done.stderr
+        done = _run("--pause", "signal", "--gpu", "1", "--task", "job-2", "--", "true", socket=d.socket)
+        assert done.returncode == 0, done.stderr
+        assert [a.task_id for a in c.allocations().allocations] == ["job-2"]  # joined, not freed: not the run's

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from gpud_client.argtypes import UsageError
+from gpud_client.client import Client
 from gpud_client.errors import DaemonUnavailable, GpudError
 from gpud_client.proctl.base import Backend
 from gpud_client.proctl.keeper import Keeper
@@ -96,8 +97,13 @@ def run_program(
                 wait_ms=opts.wait_ms,
                 owner_pid=os.getpid(),  # the run frees it; killed, gpud reclaims it at once
             )
+        if client is not None and opts.gpus is None and opts.task is not None:
+            _check_joined(client, opts)
     except DaemonUnavailable as exc:
         sup.say(f"{exc} (start gpud, or give --on-missing run to run the program without it)")
+        return _abandon(keeper, client, backend)
+    except _Fail as exc:
+        sup.say(str(exc))
         return _abandon(keeper, client, backend)
     except GpudError as exc:
         sup.say(f"gpud refused the allocation: {exc}")
@@ -110,6 +116,19 @@ def run_program(
     except GpudError as exc:
         sup.say(str(exc))
         return 1
+
+
+def _check_joined(client: Client, opts: RunOptions) -> None:
+    """``--task`` without ``--gpus``: the task's allocation must be there, on the run's GPU; a typo would
+    otherwise run the program uncapped."""
+    held = next((a for a in client.allocations().allocations if a.task_id == opts.task), None)
+    if held is None:
+        raise _Fail(
+            f"--task {opts.task}: gpud has no allocation of that task to join (gpuctl allocs lists them; "
+            "give --gpus to make one with the run)"
+        )
+    if isinstance(opts.gpu, int) and opts.gpu not in held.gpus:
+        raise _Fail(f"--task {opts.task}: its allocation is on GPU {held.gpus}, not on GPU {opts.gpu} (--gpu)")
 
 
 def _abandon(keeper: Keeper, client: object, backend: Backend | None) -> int:
