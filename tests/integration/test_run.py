@@ -301,6 +301,7 @@ def _run(*args: str, socket: str | None = None) -> subprocess.CompletedProcess[s
         (["--cpus", "2", "--", "true"], 2, "--cpus belong to an allocation"),
         (["--gpus", "1", "--core-limit", "50", "--", "true"], 2, "--core-limit do nothing with whole GPUs"),
         (["--pause", "gpu", "--", "true"], 2, "invalid choice: 'gpu'"),
+        (["--pause", "cuda", "--", "true"], 1, "--pause cuda: the CUDA driver's checkpoint API is not available"),
         ([], 2, "give the program to run after --"),
         (["--", "no-such-command-here"], 127, "no-such-command-here: command not found"),
         (["--", "{noexec}"], 126, "noexec: permission denied (not executable)"),

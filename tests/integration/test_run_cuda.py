@@ -223,3 +223,46 @@ def test_a_program_that_exits_while_locked_ends_the_run_with_its_status(
             os.kill(pid, signal.SIGKILL)
             assert r.wait() == 128 + signal.SIGKILL
     assert "Traceback" not in r.err
+
+
+def test_a_run_killed_while_it_parks_ends_its_program_and_frees_the_gpu_for_the_next(
+    daemon_factory: Callable[..., DaemonProcess], cuda_runs: Callable[..., CudaRun], fake: Path
+) -> None:
+    d = daemon_factory("--simulate", "1x16GiB", "--mode", "serial", "--tq", "30")
+    a = cuda_runs(d, "a", "--pause", "cuda", "--mem-estimate", "10GiB")
+    pa = a.pid()
+    eventually(lambda: holding(d, "a"), "a holds")
+    (fake / "hang").write_text("checkpoint\n")  # its park will never end
+    b = cuda_runs(d, "b", "--pause", "cuda", "--mem-estimate", "10GiB", "--priority", "10")
+    eventually(
+        lambda: any(c["op"] == "checkpoint" and c.get("pid") == pa for c in calls(fake)) or _parking(a), "a parks"
+    )
+    helpers = _helpers_of(a.proc.pid)
+    assert helpers  # its driver calls' helper, stuck in the checkpoint
+    a.proc.kill()
+    a.proc.wait()
+    eventually(lambda: (st := read_stat(pa)) is None or st.state in "ZX", "a's program ended with its run")
+    eventually(lambda: all(_gone(h) for h in helpers), "the hung helper ended with its run too")
+    (fake / "hang").write_text("")
+    eventually(lambda: holding(d, "b") and b.kernels() > 0, "b runs once a's session and memory are gone", why=b.why)
+
+
+def _helpers_of(run_pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and (st := read_stat(int(name))) is not None and st.ppid == run_pid:
+                if b"cuda_helper" in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def _gone(pid: int) -> bool:
+    st = read_stat(pid)
+    return st is None or st.state in "ZX"
+
+
+def _parking(r: CudaRun) -> bool:
+    return r.trace.exists() and '"event": "park"' in r.trace.read_text()

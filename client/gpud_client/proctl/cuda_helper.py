@@ -18,6 +18,7 @@ answers on its stdout (what the driver or Python print goes to stderr).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import select
@@ -112,7 +113,7 @@ class HelperProcess:
             [sys.executable, "-m", MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},
             start_new_session=True,  # a Ctrl-C at the terminal must not interrupt a driver call
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -270,7 +271,19 @@ def _requests(stdin: IO[bytes]) -> Any:
             yield line
 
 
+PARENT_ENV = "GPUD_CUDA_HELPER_PARENT"
+
+
+def _die_with_the_run() -> None:
+    """A call hung in the driver must not outlive the run that made it: SIGKILL when the run goes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
+        os._exit(1)  # the run went before the request took hold
+
+
 def main() -> int:
+    _die_with_the_run()
     out = _answers_channel()
     encoder = msgspec.json.Encoder()
     decoder = msgspec.json.Decoder(Request)
