@@ -12,12 +12,15 @@ seeds 0..N-1 instead, split into up to eight tests (``GPUD_SIM_SEEDS=320``: fort
 each). More seeds outside pytest:
 ``.venv/bin/python -m tests.sim.daemon_sim --seeds 2000``.
 The per-scheduler simulation (tests/core/test_scheduler_sim.py) stays; this one
-covers the shell around the schedulers too.
+covers the shell around the schedulers too. A test of eight seeds or more also fails
+when its seeds never exercised parking (asked, parked, refused, timed out, a grant
+that waited for it): a check that never runs proves nothing.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
@@ -29,13 +32,23 @@ except ImportError:  # run by the pytest script: tests/ is on the path, the repo
 SEEDS = int(os.environ.get("GPUD_SIM_SEEDS", "64"))  # x DEFAULT_STEPS (400) steps: about 15 s on a 2-core machine
 TESTS = 8
 CHUNK = max(1, -(-SEEDS // TESTS))  # seeds per test, so a failure names its range and the rest still run
+# What eight seeds always do (the default run: each test's seeds do each of these at least 9 times).
+EXERCISED_FROM = 8
+EXERCISED = (
+    "parks asked",
+    "parks answered ok",
+    "parks answered not ok (refused)",
+    "parks timed out",
+    "grants that waited for a park",
+)
 
 
 @pytest.mark.parametrize(
     "first", range(0, SEEDS, CHUNK), ids=lambda first: f"seeds{first}-{min(first + CHUNK, SEEDS) - 1}"
 )
 def test_the_daemon_keeps_every_invariant(first: int) -> None:
-    failed = [out for seed in range(first, min(first + CHUNK, SEEDS)) if not (out := run_seed(seed, DEFAULT_STEPS)).ok]
+    outs = [run_seed(seed, DEFAULT_STEPS) for seed in range(first, min(first + CHUNK, SEEDS))]
+    failed = [out for out in outs if not out.ok]
     if failed:
         others = ", ".join(str(out.seed) for out in failed[1:])
         pytest.fail(
@@ -45,3 +58,7 @@ def test_the_daemon_keeps_every_invariant(first: int) -> None:
             + failed[0].report,
             pytrace=False,
         )
+    stats = sum((out.stats for out in outs), Counter[str]())
+    if len(outs) >= EXERCISED_FROM:
+        missing = [name for name in EXERCISED if not stats[name]]
+        assert not missing, f"seeds {first}-{first + len(outs) - 1} never did: {missing}"

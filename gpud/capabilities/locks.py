@@ -107,7 +107,7 @@ class Locks(Part):
 
     # --- sessions ---------------------------------------------------------------
 
-    def attach(self, conn: ClientLink, msg: p.Attach, now: int) -> p.Attached:
+    def attach(self, conn: ClientLink, msg: p.Attach, now: int) -> None:
         slot = self.refs.slot(msg.gpu)
         self.links.check_room(conn)
         self.access.check_priority(conn, msg.priority, "session")
@@ -128,7 +128,6 @@ class Locks(Part):
             parkable=msg.parkable,
         )
         self.links.own(conn, sid, slot.gpu.index)
-        self.effects.carry_out(effects, now, slot)
         v = slot.scheduler.session(sid, now)
         log.info(
             "session_attached",
@@ -140,7 +139,7 @@ class Locks(Part):
             priority=msg.priority,
             task_id=alloc.task_id if alloc else None,
         )
-        return p.Attached(
+        attached = p.Attached(
             id=msg.id,
             session=sid,
             gpu=slot.gpu.index,
@@ -149,6 +148,10 @@ class Locks(Part):
             mem_limit=v.mem_limit,
             memory_total_bytes=slot.gpu.memory_total_bytes,
         )
+        # The answer first: a push for the new session (a PARK, its memory counting as on the GPU
+        # from now) must not reach the client before the session does.
+        self.links.send(conn, attached)
+        self.effects.carry_out(effects, now, slot)
 
     def detach(self, conn: ClientLink, msg: p.Detach, now: int) -> p.Ok:
         sid = msg.session

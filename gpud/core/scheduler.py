@@ -691,7 +691,8 @@ class GpuScheduler:
         if self._grants_from is not None:
             return False
         ahead = self._blocked_waiter()
-        return (ahead is None or ahead.priority < s.priority) and self._fits(s)
+        fits = (ahead is None or ahead.priority < s.priority) and self._fits(s)
+        return fits and (not self._enabled or self._room_beside_parkable(s, 0, None))
 
     def _revoke_unresponsive(self, now: int, effects: list[Effect]) -> None:
         for s in list(self._running.values()):
@@ -775,12 +776,15 @@ class GpuScheduler:
                     self._drop(c, DropReason.PREEMPT, now, effects)
                 return
 
-    def _room_beside_parkable(self, waiter: _Session, now: int, effects: list[Effect]) -> bool:
+    def _room_beside_parkable(self, waiter: _Session, now: int, effects: list[Effect] | None) -> bool:
         """Whether ``waiter`` may be granted beside the memory parkable sessions keep on the GPU;
-        if not, ask enough of them to park. False while an asked park is still out."""
+        if not, ask enough of them to park (``effects`` None: only look). False while a park it
+        needs is still out. A lease whose wait ends now asks nothing: it is gone in this settle."""
         resident = [r for r in self._resident if r is not waiter]
         if not resident:
             return True
+        if effects is not None and waiter.wait_deadline is not None and now >= waiter.wait_deadline:
+            effects = None
         held = sum(self._need(h) for h in self._running.values())
         over = self._need(waiter) + held + sum(self._need(r) for r in resident) - self._capacity()
         out = False
@@ -789,7 +793,7 @@ class GpuScheduler:
                 break
             if r.park_refused:
                 continue
-            if r.park_asked_at is None:
+            if r.park_asked_at is None and effects is not None:
                 r.park_asked_at = now
                 effects.append(AskPark(r.id, r.grant))
             out = True

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpud.core.errors import Refused
-from gpud.core.scheduler import AskPark, Drop, GpuScheduler, Grant, ParkOverdue, SchedulerConfig
-from gpud_client.protocol import DropReason, ErrorCode, Mode
+from gpud.core.scheduler import AskPark, Drop, GpuScheduler, Grant, LeaseDenied, ParkOverdue, SchedulerConfig
+from gpud_client.protocol import DropReason, ErrorCode, LeaseReason, Mode
 
 S = 1_000_000
 GIB = 2**30
@@ -132,3 +132,24 @@ def test_library_sessions_are_not_counted_while_they_do_not_hold() -> None:
     s.request(2, 1)
     s.advance(30 * S)
     assert s.release(1, 30 * S) == [Grant(2, 2)]
+
+
+def test_a_lease_that_may_not_wait_is_busy_when_residents_would_have_to_park_and_asks_nothing() -> None:
+    """Found by the simulation: it was answered TIMEOUT, and a PARK went out for nobody."""
+    s = gpu()
+    s.attach(1, 0, mem_estimate=6 * GIB, parkable=True)
+    effects = s.acquire_lease(2, 1, priority=0, max_wait_us=0, hold_max_us=S, queue_limit=10, mem_estimate=6 * GIB)
+    assert effects == [LeaseDenied(2, LeaseReason.GPU_BUSY)]
+
+
+def test_a_lease_whose_wait_ends_now_asks_for_no_park() -> None:
+    s = gpu()
+    s.attach(1, 0, mem_estimate=6 * GIB)
+    s.attach(3, 0, mem_estimate=6 * GIB, parkable=True)
+    s.parked(3, True, 0)
+    s.request(1, 0)
+    s.request(3, 0)
+    s.acquire_lease(2, 1, priority=50, max_wait_us=S, hold_max_us=S, queue_limit=10, mem_estimate=6 * GIB)
+    s.detach(3, 2)  # out of the way
+    s.attach(4, 2, mem_estimate=6 * GIB, parkable=True)  # resident: the lease would need it parked
+    assert s.release(1, 1 + S) == [LeaseDenied(2, LeaseReason.TIMEOUT)]  # its wait ends as the GPU frees

@@ -182,3 +182,19 @@ def test_members_of_the_admin_group_may_change_the_tq(nodes: Nodes) -> None:
     operator = node.connect("operator", uid=NOBODY, gid=NOBODY)
     assert isinstance(operator.call(p.SetTq(id=0, seconds=3.0)), p.Ok)
     assert gpu_status(node.connect()).tq_s == 3.0
+
+
+def test_a_parkable_session_hears_of_its_attach_before_any_park(nodes: Nodes) -> None:
+    """Found by the simulation: ATTACH carried out the scheduler's effects before it answered, so a
+    PARK for the new session (resident from its attach, in a waiter's way) came first, and the
+    client dropped it as a push for a session it did not know yet."""
+    node = nodes(gpus="1x10GiB", mode="serial", memory_reserve_percent=0)
+    waiter, first, second = node.connect("waiter"), node.connect("first"), node.connect("second")
+    six = 6 * 2**30
+    s1 = first.call(p.Attach(id=0, gpu=0, mem_estimate=six, parkable=True)).session
+    w = waiter.call(p.Attach(id=0, gpu=0, mem_estimate=six)).session
+    assert waiter.call(p.LockRequest(id=0, session=w)) is None
+    assert [x.session for x in first.pushes(p.Park)] == [s1]  # not answered yet: the waiter still waits
+    got = second.exchange(p.Attach(id=7, gpu=0, mem_estimate=six, parkable=True))
+    assert [type(m) for m in got] == [p.Attached, p.Park], got  # its memory is in the way too: asked, after
+    assert got[1].session == got[0].session
