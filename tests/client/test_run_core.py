@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from gpud_client.core.run import (
     CONTROL_FAILED,
     AnswerPark,
@@ -63,11 +65,21 @@ def test_a_lost_lock_pauses_and_ends_the_open_slice_before_asking_again() -> Non
 
 def test_an_idle_program_gives_the_lock_back_after_idle_release() -> None:
     core = running(idle_release=1.0)
+    assert core.tick(0.1, 2.0, None) == []  # the first look: what activity is measured from
     assert core.tick(0.5, 3.0, None) == []  # its activity moved: active
+    assert core.next_tick(0.5, 0.1) == pytest.approx(0.6)
     assert core.tick(1.4, 3.0, None) == []  # 0.9 s without activity
+    assert core.next_tick(1.4, 0.1) == pytest.approx(1.5)  # looked at exactly when it would be idle
     actions = core.tick(1.5, 3.0, None)
     assert [type(a) for a in actions] == [Pause, Release, Request]
     assert core.idle_releases == 1
+
+
+def test_the_first_look_after_a_grant_is_not_activity() -> None:
+    """The idle clock starts at the grant: a turn lasts idle_release, not that and a tick more."""
+    core = running(idle_release=1.0)
+    assert core.tick(0.1, 5.0, None) == []
+    assert [type(a) for a in core.tick(1.0, 5.0, None)] == [Pause, Release, Request]
 
 
 def test_an_active_program_is_never_idle_released() -> None:

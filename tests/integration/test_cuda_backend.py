@@ -252,6 +252,10 @@ def test_a_lock_that_cannot_drain_falls_back_to_sigstop_and_says_so(
         f"pid {pid}: its GPU work did not drain within 100 ms (CUDA_ERROR_NOT_READY); stopped with SIGSTOP instead"
     ]
     assert proc_state(pid) == "T" and context(fake, pid)["state"] == "running"  # the driver let go of it
+    # its memory stays on the GPU, and a stopped process cannot be checkpointed: park says so
+    with pytest.raises(ControlError, match=f"pid {pid} keeps its GPU memory") as refused:
+        backend.park(program.tree)
+    assert not refused.value.fatal and "checkpoint" not in [c["op"] for c in calls(fake)]
     backend.resume(program.tree)
     assert proc_state(pid) != "T" and backend.held() == {}
 

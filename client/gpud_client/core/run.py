@@ -207,7 +207,9 @@ class RunCore:
                 actions.append(Pause(f"the signal's grace of {self.signal_grace:g} s is over; waiting for its turn"))
         if self.state != "running" or not self.holding or self.idle_release is None or not self.arbitrated:
             return actions
-        if activity is not None and activity != self.activity:
+        if activity is not None and self.activity is None:
+            self.activity = activity  # the first look since the grant: what activity is measured from
+        elif activity is not None and activity != self.activity:
             self.activity, self.last_activity = activity, now
         elif now - self.last_activity >= self.idle_release:
             self.idle_releases += 1
@@ -219,6 +221,8 @@ class RunCore:
         at = now + interval
         if self.repause_at is not None:
             at = min(at, self.repause_at)
+        if self.idle_release is not None and self.holding and self.state == "running" and self.arbitrated:
+            at = min(at, max(now, self.last_activity + self.idle_release))  # released on time, not a tick late
         return at
 
     def signalled(self, signum: int, now: float) -> list[RunAction]:

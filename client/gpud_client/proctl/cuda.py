@@ -236,6 +236,7 @@ class CudaBackend:
         self.gpu_free = gpu_free
         self.memory_of = memory_of
         self._held: dict[int, _Held] = {}
+        self._undrained: set[int] = set()  # has a context, but was stopped: its memory cannot be parked
 
     @property
     def can_park(self) -> bool:
@@ -292,8 +293,9 @@ class CudaBackend:
         except CudaError as e:
             if _gone(pid):
                 return
-            if e.name == "CUDA_ERROR_NOT_READY":  # the driver left it running
+            if e.name == "CUDA_ERROR_NOT_READY":  # the driver left it running, its memory on the GPU
                 why = f"its GPU work did not drain within {self.lock_timeout_ms} ms"
+                self._undrained.add(pid)
             elif e.name == "CUDA_ERROR_NOT_FOUND":
                 why = "its CUDA context went away"
             else:
@@ -313,6 +315,12 @@ class CudaBackend:
     def park(self, tree: ProcessTree) -> int:
         """Checkpoint every locked pid; the bytes moved (by ``memory_of``; 0 if unknown).
         Refuses, checkpointing nothing, when MemAvailable does not exceed that plus 10 %."""
+        kept = sorted(pid for pid in self._undrained if self._held.get(pid) is _Held.STOPPED and not _gone(pid))
+        if kept:
+            raise ControlError(
+                f"pid {kept[0]} keeps its GPU memory: its work did not drain within the lock's timeout, so it "
+                "was stopped with SIGSTOP, and a stopped process cannot be checkpointed; nothing was parked"
+            )
         locked = [pid for pid, h in self._held.items() if h is _Held.LOCKED]
         need = sum(self._memory(pid) for pid in locked)
         available = _mem_available()
@@ -352,6 +360,7 @@ class CudaBackend:
         self.signals.cont(stopped)
         for pid in stopped:
             del self._held[pid]
+        self._undrained.clear()
 
     def _claim_gpu_memory(self, parked: list[int]) -> None:
         """Refuse a restore that cannot fit: a restore failing for memory loses the process for

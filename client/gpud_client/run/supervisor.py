@@ -67,20 +67,43 @@ class Trace:
     """``--trace FILE``: one JSON line per event and per action carried out, with
     ``time.monotonic_ns()`` (one clock for every process of the machine): when a DROP_LOCK
     came, when the tree was paused, when LOCK_RELEASED went, parks and restores with their
-    bytes. For operators diagnosing a run, and for bench/run_share.py and bench/gpu_run.py."""
+    bytes. For operators diagnosing a run, and for bench/run_share.py and bench/gpu_run.py.
+
+    Events are ``{"t", "event", ...}``: granted, drop, lost, park (gpud's PARK), signal, exited,
+    grant_failed. Actions are ``{"t", "action", ...}`` with their fields: start, pause (why), resume,
+    release, parked (ok, bytes), answerpark (ok, message), forward (signal), reportmemory
+    (used_bytes), endprogram (why), exit (status, why)."""
 
     def __init__(self, path: str | None) -> None:
         self.out = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
+        self.pending: list[dict[str, Any]] = []
 
     def event(self, what: str, t_ns: int | None = None, **fields: Any) -> None:
+        """Something that happened (its time: when the hook ran), written at once."""
         if self.out is None:
             return
         record = {"t": time.monotonic_ns() if t_ns is None else t_ns, "event": what}
         record.update((k, v) for k, v in fields.items() if v is not None)
         self.out.write(json.dumps(record) + "\n")
 
+    def did(self, action: RunAction, t_ns: int, moved: int | None) -> None:
+        """An action carried out, stamped when it was done and written once the actions of that event
+        are (``flush``): no file write between a pause and its LOCK_RELEASED."""
+        fields = {k: getattr(action, k) for k in action.__dataclass_fields__}
+        if isinstance(action, Park):  # the action is "parked", so that it differs from the PARK event
+            record = {"t": t_ns, "action": "parked", "ok": moved is not None, "bytes": moved}
+        else:
+            record = {"t": t_ns, "action": type(action).__name__.lower(), **fields}
+        self.pending.append(record)
+
+    def flush(self) -> None:
+        if self.out is not None and self.pending:
+            self.out.write("".join(json.dumps(r) + "\n" for r in self.pending))
+            self.pending.clear()
+
     def close(self) -> None:
         if self.out is not None:
+            self.flush()
             self.out.close()
 
 
@@ -220,6 +243,12 @@ class Supervisor:
     # --- carrying out the core's actions ----------------------------------------------
 
     def _carry_out(self, actions: list[RunAction]) -> int | None:
+        try:
+            return self._carry_out_all(actions)
+        finally:
+            self.trace.flush()
+
+    def _carry_out_all(self, actions: list[RunAction]) -> int | None:
         while actions:
             action, actions = actions[0], actions[1:]
             try:
@@ -237,12 +266,10 @@ class Supervisor:
         return None
 
     def _do(self, action: RunAction) -> list[RunAction] | int:
+        self.core.last_park_bytes = None
         result = self._act(action)
         if self.trace.out is not None and not isinstance(action, Request):
-            name = type(action).__name__.lower()
-            detail = getattr(action, "why", None) or getattr(action, "used_bytes", None) or getattr(action, "ok", None)
-            moved = self.core.last_park_bytes if isinstance(action, Park) else None
-            self.trace.event(name, detail=detail, bytes=moved)
+            self.trace.did(action, time.monotonic_ns(), self.core.last_park_bytes)
         return result
 
     def _act(self, action: RunAction) -> list[RunAction] | int:
