@@ -107,7 +107,7 @@ class Locks(Part):
 
     # --- sessions ---------------------------------------------------------------
 
-    def attach(self, conn: ClientLink, msg: p.Attach, now: int) -> None:
+    def attach(self, conn: ClientLink, msg: p.Attach, now: int) -> p.Attached:
         slot = self.refs.slot(msg.gpu)
         self.links.check_room(conn)
         self.access.check_priority(conn, msg.priority, "session")
@@ -139,7 +139,10 @@ class Locks(Part):
             priority=msg.priority,
             task_id=alloc.task_id if alloc else None,
         )
-        attached = p.Attached(
+        # After the answer: a push for the new session (a PARK, its memory counting as on the GPU
+        # from now) must not reach the client before the session does.
+        self.effects.after_answer(effects, now, slot)
+        return p.Attached(
             id=msg.id,
             session=sid,
             gpu=slot.gpu.index,
@@ -148,10 +151,6 @@ class Locks(Part):
             mem_limit=v.mem_limit,
             memory_total_bytes=slot.gpu.memory_total_bytes,
         )
-        # The answer first: a push for the new session (a PARK, its memory counting as on the GPU
-        # from now) must not reach the client before the session does.
-        self.links.send(conn, attached)
-        self.effects.carry_out(effects, now, slot)
 
     def detach(self, conn: ClientLink, msg: p.Detach, now: int) -> p.Ok:
         sid = msg.session

@@ -261,6 +261,7 @@ def handle_payload(daemon: Daemon, conn: ClientLink, payload: bytes, codec: p.Co
         return False
     if answer is not None:
         daemon.links.send(conn, answer)
+    daemon.effects.run_after_answer()
     return True
 
 

@@ -30,6 +30,7 @@ class Effects:
         self._handlers: dict[type, Handler] = {}
         self._lease_handlers: dict[type, Handler] = {}
         self._leases: Container[int] = ()
+        self._after_answer: list[tuple[list[Any], int, GpuSlot | None]] = []
 
     def on(self, kind: type, handler: Handler) -> None:
         self._handlers[kind] = handler
@@ -40,6 +41,16 @@ class Effects:
     def leases_are(self, leases: Container[int]) -> None:
         """The ids that are leases (the arbiter's live map): the others are sessions'."""
         self._leases = leases
+
+    def after_answer(self, effects: Iterable[Any], now: int, slot: GpuSlot | None = None) -> None:
+        """Carry these out once the request being handled has its answer sent (``run_after_answer``):
+        a push they cause for something the answer makes known (a new session's PARK) must come after it."""
+        self._after_answer.append((list(effects), now, slot))
+
+    def run_after_answer(self) -> None:
+        pending, self._after_answer = self._after_answer, []
+        for effects, now, slot in pending:
+            self.carry_out(effects, now, slot)
 
     def carry_out(self, effects: Iterable[Any], now: int, slot: GpuSlot | None = None) -> None:
         """Execute effects decided at ``now``; ``slot``: they are that GPU scheduler's."""

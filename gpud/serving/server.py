@@ -107,6 +107,7 @@ class Daemon:
         handler = self.handlers.get(type(msg))
         if handler is None:
             raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
+        self.effects.run_after_answer()  # an earlier request's, when its caller sent no answer (tests)
         return handler(conn, msg, self.now())
 
     def hello(self, conn: ClientLink, msg: p.Hello, now: int) -> p.Welcome:

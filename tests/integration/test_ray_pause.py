@@ -46,7 +46,11 @@ def test_a_paused_body_keeps_near_its_share_beside_another_and_returns_its_resul
 
     task = ray.remote(num_gpus=0.25, max_retries=0)(gpud_task(busy, pause="signal"))
     refs = [task.remote(2.5), task.remote(2.5)]
-    runs = eventually(lambda: len(r := run_clients(node.socket)) == 2 and r, "two runs", timeout=RAY_WAIT_S)
+    runs = eventually(  # a run says HELLO before it attaches its session: wait for both
+        lambda: len(r := run_clients(node.socket)) == 2 and all(c.sessions for c in r) and r,
+        "two runs with their sessions",
+        timeout=RAY_WAIT_S,
+    )
     for run in runs:
         assert run.name.startswith("ray-run:") and "gpud_client.run.pycall" in run.labels[COMMAND], run
         (session,) = run.sessions
