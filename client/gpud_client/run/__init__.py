@@ -60,7 +60,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
     except UsageError as exc:
         print(f"{exc.usage}{exc.prog}: error: {exc.message}", file=sys.stderr)
         return 2
-    return run_program(opts, prog=prog)
+    try:
+        return run_program(opts, prog=prog)
+    except KeyboardInterrupt:  # before the program started (waiting for room, say): the keeper ends it
+        return 128 + 2
 
 
 def run_program(
