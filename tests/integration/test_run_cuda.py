@@ -128,6 +128,7 @@ def test_a_pause_locks_the_program_before_lock_released_and_resumes_it_by_unlock
     pid = r.pid()
     eventually(lambda: holding(d, "cuda") and r.kernels() > 2, "the program runs")
     assert sessions(d)["cuda"][0].labels[BACKEND] == "cuda"  # auto took the driver, which has the API
+    assert "pausing with the CUDA driver's checkpoint API (cuda)" in r.err  # and said so
     with Client(d.socket, name="lib") as c:
         s = c.session(0, priority=10, idle_release=None, mem_estimate="1GiB")
         with s.slice():  # granted only after the run's LOCK_RELEASED

@@ -41,6 +41,8 @@ def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
     driver = CudaDriver()
     why_not = driver.probe()
     if why_not is None:
+        if opts.pause == "auto":
+            sup.say("pausing with the CUDA driver's checkpoint API (cuda); SIGSTOP for processes without CUDA")
         return CudaBackend(
             driver=driver, lock_timeout_ms=opts.lock_timeout_ms, gpu_free=sup.gpu_free, memory_of=sup.memory_of
         )
