@@ -647,6 +647,7 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     memory_capacity_bytes: int  # total less the reserve
     memory_in_use_bytes: int  # what the holders need, as admission counts it
     healthy: bool = True  # False while NVML fails for this GPU
+    memory_used_bytes: int | None = None  # NVML's last reading, every process's (None: simulated)
     holders: list[HolderInfo]
     queue: list[WaiterInfo]
     clients: int

@@ -31,6 +31,9 @@ from gpud.host.devices import Gpu, Reading
 from gpud.host.metrics import session_labels
 from gpud.serving.effects import Effects
 from gpud.serving.server import Daemon
+from gpud.serving.state import ClientLink
+from gpud_client.proctl.tree import ProcessTree, read_stat
+from gpud_client.runinfo import PID as RUN_PID
 
 log = structlog.get_logger(__name__)
 _DONE = object()
@@ -169,15 +172,37 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
         if not r.healthy:
             continue
         slot = daemon.slots[r.index]
+        slot.memory_used_bytes = r.memory_used_bytes
         m.memory_used.labels(r.index).set(r.memory_used_bytes)
         m.utilization.labels(r.index).set(r.utilization_ratio)
         for sid, conn in list(daemon.links.owners.items()):
-            used = (r.process_memory or {}).get(conn.pid)
+            used = process_memory(r.process_memory or {}, conn)
             if used is not None and conn.sessions.get(sid) == r.index and not daemon.leases.owns(sid):
                 daemon.locks.report_memory(slot, sid, used, now)
                 # At once, as the GPU's own gauges: the reading came between two refreshes.
                 labels = session_labels(r.index, sid, conn.name, conn.pid)
                 m.session_memory.labels(*labels).set(slot.scheduler.session(sid, now).mem_used or 0)
+
+
+def process_memory(per_pid: Mapping[int, int], conn: ClientLink) -> int | None:
+    """What a client's processes hold on the GPU: its own (the peer pid), or for a run (``gpuctl run``)
+    its program's whole tree. The run names its program's pid (a HELLO label); it is believed only
+    for a grandchild of the run (the run, its keeper, the program), so no client counts another's."""
+    program = _run_program(conn)
+    if program is None:
+        return per_pid.get(conn.pid)
+    tree = [program, *ProcessTree(program).pids()]
+    held = [per_pid[pid] for pid in tree if pid in per_pid]
+    return sum(held) if held else None
+
+
+def _run_program(conn: ClientLink) -> int | None:
+    text = conn.labels.get(RUN_PID, "")
+    program = read_stat(int(text)) if text.isdigit() else None
+    if program is None:
+        return None
+    keeper = read_stat(program.ppid)
+    return program.pid if keeper is not None and keeper.ppid == conn.pid else None
 
 
 # A refresh step: at most this many sessions, and no more than this long (a slow or loaded host),

@@ -65,6 +65,7 @@ class GpuSlot:
     wake: trio.Event = field(default_factory=trio.Event)
     armed_for: int | None = None  # the deadline the timer task sleeps toward
     healthy: bool = True
+    memory_used_bytes: int | None = None  # NVML's last reading (every process's); None: simulated
 
 
 class GpuRefs:

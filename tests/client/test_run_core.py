@@ -15,13 +15,11 @@ from gpud_client.core.run import (
     Park,
     Pause,
     Release,
-    ReportMemory,
     Request,
     Resume,
     RunCore,
     Start,
 )
-from gpud_client.core.session import MEM_REPORT_STEP
 
 TERM = int(signal.SIGTERM)
 
@@ -44,7 +42,7 @@ def test_the_program_starts_only_at_the_first_grant() -> None:
 def test_a_whole_gpu_starts_at_once_and_is_never_paused() -> None:
     core = RunCore(arbitrated=False, idle_release=0.1)
     assert core.begin(0.0) == [Start()]
-    assert core.tick(10.0, 0.0, None) == []  # never idle-released: nothing to give back
+    assert core.tick(10.0, 0.0) == []  # never idle-released: nothing to give back
 
 
 def test_a_drop_pauses_releases_and_asks_again_then_a_grant_resumes() -> None:
@@ -65,12 +63,12 @@ def test_a_lost_lock_pauses_and_ends_the_open_slice_before_asking_again() -> Non
 
 def test_an_idle_program_gives_the_lock_back_after_idle_release() -> None:
     core = running(idle_release=1.0)
-    assert core.tick(0.1, 2.0, None) == []  # the first look: what activity is measured from
-    assert core.tick(0.5, 3.0, None) == []  # its activity moved: active
+    assert core.tick(0.1, 2.0) == []  # the first look: what activity is measured from
+    assert core.tick(0.5, 3.0) == []  # its activity moved: active
     assert core.next_tick(0.5, 0.1) == pytest.approx(0.6)
-    assert core.tick(1.4, 3.0, None) == []  # 0.9 s without activity
+    assert core.tick(1.4, 3.0) == []  # 0.9 s without activity
     assert core.next_tick(1.4, 0.1) == pytest.approx(1.5)  # looked at exactly when it would be idle
-    actions = core.tick(1.5, 3.0, None)
+    actions = core.tick(1.5, 3.0)
     assert [type(a) for a in actions] == [Pause, Release, Request]
     assert core.idle_releases == 1
 
@@ -78,23 +76,14 @@ def test_an_idle_program_gives_the_lock_back_after_idle_release() -> None:
 def test_the_first_look_after_a_grant_is_not_activity() -> None:
     """The idle clock starts at the grant: a turn lasts idle_release, not that and a tick more."""
     core = running(idle_release=1.0)
-    assert core.tick(0.1, 5.0, None) == []
-    assert [type(a) for a in core.tick(1.0, 5.0, None)] == [Pause, Release, Request]
+    assert core.tick(0.1, 5.0) == []
+    assert [type(a) for a in core.tick(1.0, 5.0)] == [Pause, Release, Request]
 
 
 def test_an_active_program_is_never_idle_released() -> None:
     core = running(idle_release=1.0)
     for i in range(1, 50):
-        assert core.tick(i * 0.5, float(i), None) == []
-
-
-def test_memory_is_reported_when_it_moved_enough_and_only_while_running() -> None:
-    core = running()
-    assert core.tick(0.1, None, 1000) == [ReportMemory(1000)]
-    assert core.tick(0.2, None, 1000 + MEM_REPORT_STEP - 1) == []
-    assert core.tick(0.3, None, 1000 + MEM_REPORT_STEP) == [ReportMemory(1000 + MEM_REPORT_STEP)]
-    core.dropped(0.4)
-    assert core.tick(0.5, None, 0) == []  # paused: its zero is not its need
+        assert core.tick(i * 0.5, float(i)) == []
 
 
 def test_park_is_done_only_for_a_started_paused_program_with_a_backend_that_can() -> None:
@@ -132,7 +121,7 @@ def test_a_signal_to_a_paused_program_resumes_it_for_the_grace_then_pauses_it_ag
     assert core.signalled(TERM, 3.0) == [Resume(), Forward(TERM)]
     assert core.state == "running" and not core.holding
     assert core.next_tick(3.0, 10.0) == 5.0
-    actions = core.tick(5.0, None, None)
+    actions = core.tick(5.0, None)
     assert [type(a) for a in actions] == [Pause]
     assert core.state == "paused"
 
@@ -142,7 +131,7 @@ def test_a_grant_during_the_grace_keeps_the_program_running() -> None:
     core.dropped(1.0)
     core.signalled(TERM, 3.0)
     assert core.granted(4.0) == []  # already running: now arbitrated again
-    assert core.tick(5.0, None, None) == []
+    assert core.tick(5.0, None) == []
 
 
 def test_a_signal_to_a_running_or_parked_program_is_forwarded_as_it_is() -> None:

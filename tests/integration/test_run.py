@@ -455,7 +455,7 @@ def test_gpuctl_run_is_the_same_command(daemon_factory: Callable[..., DaemonProc
 def test_the_programs_gpu_memory_is_reported_from_nvml(
     daemon_factory: Callable[..., DaemonProcess], runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run reads NVML's per-process memory (here tests/fakenvml) for its program's tree."""
+    """gpud reads NVML's per-process memory (here tests/fakenvml) for the run's program's tree."""
     import json
 
     state = tmp_path / "nvml.json"
@@ -464,7 +464,9 @@ def test_the_programs_gpu_memory_is_reported_from_nvml(
     fakenvml = str(Path(__file__).resolve().parents[1] / "fakenvml")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fakenvml, os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_NVML_STATE", str(state))
-    d = daemon_factory("--simulate", "1")
+    config = tmp_path / "gpud.toml"
+    config.write_text("monitor_interval_s = 0.1\n")
+    d = daemon_factory("--config", str(config))  # on the NVML stand-in, not simulated GPUs
     r = runs(d, "measured")
     pid = r.program_pid()
     gpu["procs"] = {str(pid): 3 * 2**30}
@@ -494,3 +496,29 @@ def test_joining_an_allocation_that_is_not_there_is_refused(daemon_factory: Call
         done = _run("--pause", "signal", "--gpu", "1", "--task", "job-2", "--", "true", socket=d.socket)
         assert done.returncode == 0, done.stderr
         assert [a.task_id for a in c.allocations().allocations] == ["job-2"]  # joined, not freed: not the run's
+
+
+def test_gpud_counts_a_runs_program_tree_only_for_its_own_grandchild() -> None:
+    """A run names its program's pid in HELLO; gpud believes it only for a grandchild of the run's
+    own process (run, keeper, program), so a client cannot count another process's memory."""
+    import trio
+
+    from gpud.serving.monitor import process_memory
+    from gpud.serving.state import ClientLink
+    from gpud_client.proctl.keeper import Keeper
+
+    keeper = Keeper.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        program = keeper.program_pid
+
+        def link(run_pid: int, named: int) -> ClientLink:
+            conn = ClientLink(1, run_pid, 0, 0, frozenset(), -1, trio.CancelScope(), 0)
+            conn.labels = {PID: str(named)}
+            return conn
+
+        readings = {program: 5, os.getpid(): 1, 1: 7}
+        assert process_memory(readings, link(os.getpid(), program)) == 5  # the test process ran the keeper
+        assert process_memory(readings, link(os.getpid(), 1)) == 1  # not its grandchild: its own only
+        assert process_memory({1: 7}, link(os.getpid(), 1)) is None
+    finally:
+        keeper.close()

@@ -19,8 +19,6 @@ in order, telling the core how each process-control action went.
 - Signals to the run reach the program's process group. A paused program is resumed
   to receive one (it could not act on it stopped) and paused again after
   ``signal_grace`` unless its turn came meanwhile: it runs unarbitrated at most that long.
-- Memory: what the program holds on the GPU is reported when it moved by
-  ``MEM_REPORT_STEP`` (only while it runs: a parked program's zero is not its need).
 - The run ends with the program's exit status. A process-control failure that leaves
   the program's state unknown ends the program: it never goes on unarbitrated, and is
   never left paused for good.
@@ -30,8 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
-
-from gpud_client.core.session import MEM_REPORT_STEP
 
 RunState = Literal["starting", "running", "paused", "parked", "ended"]
 
@@ -78,11 +74,6 @@ class Forward:
 
 
 @dataclass(frozen=True, slots=True)
-class ReportMemory:
-    used_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class EndProgram:
     """Kill the whole tree: its state is unknown or it may not go on."""
 
@@ -95,7 +86,7 @@ class Exit:
     why: str = ""
 
 
-RunAction = Start | Pause | Resume | Release | Request | Park | AnswerPark | Forward | ReportMemory | EndProgram | Exit
+RunAction = Start | Pause | Resume | Release | Request | Park | AnswerPark | Forward | EndProgram | Exit
 
 CONTROL_FAILED = 1  # the run's exit status when it ended the program itself
 
@@ -121,7 +112,6 @@ class RunCore:
         self.last_activity = 0.0
         self.activity: float | None = None
         self.repause_at: float | None = None
-        self.mem_reported: int | None = None
         self.resumed_from: RunState = "paused"
         self.last_park_bytes: int | None = None  # what the last park moved (the driver says)
         self.pauses = 0
@@ -192,13 +182,9 @@ class RunCore:
             self.state, self.parked = "parked", True
         return [AnswerPark(ok, message)]
 
-    def tick(self, now: float, activity: float | None, gpu_memory: int | None) -> list[RunAction]:
-        """A look at the program: its cumulative activity (CPU seconds, or GPU use), its GPU memory."""
+    def tick(self, now: float, activity: float | None) -> list[RunAction]:
+        """A look at the program: its cumulative activity (the CPU seconds its tree has used)."""
         actions: list[RunAction] = []
-        if self.state == "running" and gpu_memory is not None and self.holding:
-            if self.mem_reported is None or abs(gpu_memory - self.mem_reported) >= MEM_REPORT_STEP:
-                self.mem_reported = gpu_memory
-                actions.append(ReportMemory(gpu_memory))
         if self.repause_at is not None and now >= self.repause_at:
             self.repause_at = None
             if self.state == "running" and not self.holding:

@@ -216,7 +216,8 @@ class CudaBackend:
     """Pause, park and resume a tree through the CUDA checkpoint API (see the module's comment).
 
     ``gpu_free``: the GPU's free memory in bytes now (None: unknown), checked before a restore.
-    ``memory_of``: the bytes a pid held on the GPU before it was parked (None: unknown)."""
+    ``memory_of``: the bytes a pid held on the GPU before it was parked (None: unknown); or
+    ``tree_memory``: what the whole tree holds (gpud's reading of a run's program), when known."""
 
     name = "cuda"
 
@@ -228,6 +229,7 @@ class CudaBackend:
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
         gpu_free: Callable[[], int | None] | None = None,
         memory_of: Callable[[int], int | None] = _unknown,
+        tree_memory: Callable[[], int | None] | None = None,
     ) -> None:
         self.driver = driver or CudaDriver()
         self.signals = signals or SignalBackend()
@@ -235,6 +237,7 @@ class CudaBackend:
         self._parked_bytes: dict[int, int] = {}  # what each parked pid held on the GPU when parked
         self.gpu_free = gpu_free
         self.memory_of = memory_of
+        self.tree_memory = tree_memory
         self._held: dict[int, _Held] = {}
         self._undrained: set[int] = set()  # has a context, but was stopped: its memory cannot be parked
 
@@ -322,7 +325,8 @@ class CudaBackend:
                 "was stopped with SIGSTOP, and a stopped process cannot be checkpointed; nothing was parked"
             )
         locked = [pid for pid, h in self._held.items() if h is _Held.LOCKED]
-        need = sum(self._memory(pid) for pid in locked)
+        sizes = self._sizes(locked)  # read before: NVML shows nothing of a parked process
+        need = sum(sizes.values())
         available = _mem_available()
         if available <= need * (1 + HOST_MEMORY_MARGIN):
             raise ControlError(
@@ -331,7 +335,7 @@ class CudaBackend:
             )
         moved = 0
         for pid in locked:
-            size = self._memory(pid)  # read before: NVML shows nothing of a parked process
+            size = sizes[pid]
             try:
                 self.driver.checkpoint(pid)
             except CudaError as e:
@@ -389,8 +393,13 @@ class CudaBackend:
     def close(self) -> None:
         self.driver.close()
 
-    def _memory(self, pid: int) -> int:
-        return self.memory_of(pid) or 0
+    def _sizes(self, pids: list[int]) -> dict[int, int]:
+        """What each pid holds on the GPU: ``memory_of`` per pid, or ``tree_memory``'s total counted
+        on the first (what the claim before a restore adds up is the same)."""
+        if self.tree_memory is None:
+            return {pid: self.memory_of(pid) or 0 for pid in pids}
+        total = (self.tree_memory() or 0) if pids else 0
+        return {pid: total if i == 0 else 0 for i, pid in enumerate(pids)}
 
 
 def _gone(pid: int) -> bool:

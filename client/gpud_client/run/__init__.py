@@ -44,7 +44,7 @@ def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
         if opts.pause == "auto":
             sup.say("pausing with the CUDA driver's checkpoint API (cuda); SIGSTOP for processes without CUDA")
         return CudaBackend(
-            driver=driver, lock_timeout_ms=opts.lock_timeout_ms, gpu_free=sup.gpu_free, memory_of=sup.memory_of
+            driver=driver, lock_timeout_ms=opts.lock_timeout_ms, gpu_free=sup.gpu_free, tree_memory=sup.tree_memory
         )
     driver.close()
     if opts.pause == "cuda":

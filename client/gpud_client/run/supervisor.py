@@ -34,7 +34,6 @@ from gpud_client.core.run import (
     Park,
     Pause,
     Release,
-    ReportMemory,
     Request,
     Resume,
     RunAction,
@@ -46,13 +45,11 @@ from gpud_client.proctl.base import Backend, ControlError
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.tree import ProcessTree
 from gpud_client.run.options import RunOptions
-from gpud_client.run.probes import Nvml
 from gpud_client.taskenv import allocation_env
 from gpud_client.units import printable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TICK_S = 0.1  # how often a running program's activity is looked at (idle release, signal grace)
-MEMORY_EVERY_S = 1.0  # how often its GPU memory is read from NVML
 FOREVER_S = 365 * 86400.0  # how long a paused program waits for gpud to come back
 
 
@@ -71,8 +68,8 @@ class Trace:
 
     Events are ``{"t", "event", ...}``: granted, drop, lost, park (gpud's PARK), signal, exited,
     grant_failed. Actions are ``{"t", "action", ...}`` with their fields: start, pause (why), resume,
-    release, parked (ok, bytes), answerpark (ok, message), forward (signal), reportmemory
-    (used_bytes), endprogram (why), exit (status, why)."""
+    release, parked (ok, bytes), answerpark (ok, message), forward (signal), endprogram (why),
+    exit (status, why)."""
 
     def __init__(self, path: str | None) -> None:
         self.out = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
@@ -126,7 +123,6 @@ class Supervisor:
         self.env: dict[str, str] = dict(os.environ)
         self.cpus: list[int] = []
         self.owned_task: str | None = None
-        self.nvml: Nvml | None = None
         self._want_lock = threading.Semaphore(0)
         self._stopping = threading.Event()
         self._told_fallback = False
@@ -138,12 +134,24 @@ class Supervisor:
         self.core.can_park = backend is not None and backend.can_park
 
     def gpu_free(self) -> int | None:
-        """Free memory on the run's GPU (NVML), for the claim before a restore; None: unknown."""
-        return self.nvml.free() if self.nvml is not None else None
+        """Free memory on the run's GPU by gpud's NVML reading, for the claim before a restore;
+        None: unknown (simulated GPUs, no session)."""
+        if self.client is None or self.session is None:
+            return None
+        status: p.StatusReply = self.client.call(p.Status(id=0))
+        gpu = next((g for g in status.gpus if g.index == self.session.gpu), None)
+        if gpu is None or gpu.memory_used_bytes is None:
+            return None
+        return gpu.memory_total_bytes - gpu.memory_used_bytes
 
-    def memory_of(self, pid: int) -> int | None:
-        """What ``pid`` holds on the run's GPU (NVML); None: unknown."""
-        return self.nvml.memory([pid]) if self.nvml is not None else None
+    def tree_memory(self) -> int | None:
+        """What the program's tree holds on the GPU, as gpud measures it (NVML per process); None:
+        unknown."""
+        if self.client is None or self.session is None:
+            return None
+        reply: p.ClientsReply = self.client.call(p.ListClients(id=0))
+        mine = (s for c in reply.clients for s in c.sessions if s.session == self.session.id)
+        return next((s.mem_used_bytes for s in mine), None)
 
     def say(self, text: str) -> None:
         print(f"{self.prog}: {text}", file=self.err, flush=True)
@@ -189,13 +197,11 @@ class Supervisor:
             self.env["CUDA_VISIBLE_DEVICES"] = str(self.session.gpu)
             self.env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             self.env["GPUD_SOCKET"] = client.path
-        self.nvml = Nvml.open(self.session.gpu)
         threading.Thread(target=self._lock_loop, name="gpud-run-lock", daemon=True).start()
 
     def _loop(self) -> int:
         pending = self.core.begin(time.monotonic())
         next_tick = time.monotonic() + TICK_S
-        next_memory = 0.0
         while True:
             status = self._carry_out(pending)
             if status is not None:
@@ -205,10 +211,7 @@ class Supervisor:
                 ev = self.events.get(timeout=max(0.0, next_tick - now))
             except queue.Empty:
                 now = time.monotonic()
-                memory = None
-                if now >= next_memory and self.nvml is not None and self.tree is not None:
-                    memory, next_memory = self.nvml.memory(self.tree.pids()), now + MEMORY_EVERY_S
-                pending = self.core.tick(now, self._activity(), memory)
+                pending = self.core.tick(now, self._activity())
                 next_tick = self.core.next_tick(now, TICK_S)
                 continue
             pending = self._handle(ev, time.monotonic())
@@ -236,8 +239,6 @@ class Supervisor:
     def _activity(self) -> float | None:
         if self.core.idle_release is None or self.tree is None:
             return None
-        if self.nvml is not None:
-            return self.nvml.activity(self.tree.pids())
         return self.tree.cpu_seconds()
 
     # --- carrying out the core's actions ----------------------------------------------
@@ -319,9 +320,6 @@ class Supervisor:
                     os.killpg(keeper.program_pid, signum)
                 except (ProcessLookupError, PermissionError):
                     pass
-            case ReportMemory(used_bytes=used):
-                assert session is not None
-                session.report_memory(used)
             case EndProgram(why=why):
                 self.say(why)
                 keeper.close()
