@@ -64,6 +64,8 @@ QueueLimit = Annotated[int, Meta(ge=0, le=100_000)]
 PID_MAX = 4_194_304
 Pid = Annotated[int, Meta(ge=1, le=PID_MAX)]
 Gpus = Annotated[float, Meta(ge=0, le=MAX_GPUS)]  # a whole number >= 1, or a fraction < 1 (1/10000 steps)
+WholeGpus = Annotated[int, Meta(ge=1, le=MAX_GPUS)]  # an elastic allocation's maximum
+AllocChange = Annotated[str, Meta(pattern="^(grown|shrunk|resumed)$")]
 CpuCount = Annotated[int, Meta(ge=0, le=100_000)]
 TaskId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:@/+=-]+$")]
 TaskType = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -156,10 +158,14 @@ class Strategy(enum.StrEnum):
 
 
 class PriorityClass(enum.StrEnum):
+    """Named priorities. An allocation of priority 100 (production) is never preempted; 1..99 may
+    be once it has run ``preemption_min_runtime_s``; 0 (spot) at any time."""
+
     PRODUCTION = "production"
     HIGH = "high"
     NORMAL = "normal"
     BEST_EFFORT = "best-effort"
+    SPOT = "spot"
 
 
 PRIORITY_OF_CLASS = {
@@ -167,7 +173,43 @@ PRIORITY_OF_CLASS = {
     PriorityClass.HIGH: 75,
     PriorityClass.NORMAL: 50,
     PriorityClass.BEST_EFFORT: 10,
+    PriorityClass.SPOT: 0,
 }
+
+
+class Recovery(enum.StrEnum):
+    """What whoever runs a task does when its allocation is preempted (``on_preempt``)."""
+
+    TERMINATE = "terminate"  # SIGTERM to the program, SIGKILL when the grace ends
+    CHECKPOINT = "checkpoint"  # the program is told, saves and exits; its next start resumes
+    SUSPEND = "suspend"  # paused and parked, devices given back, resumed when they are free again
+    SHRINK = "shrink"  # an elastic allocation gives back only GPUs above its minimum
+    FAIL = "fail"  # the task ends with the reason
+
+
+class PreemptStrategy(enum.StrEnum):
+    """How victims are chosen when a waiting request may take allocations back."""
+
+    LOWEST_PRIORITY = "lowest_priority"  # the lowest priorities; equal priorities newest first
+    NEWEST_FIRST = "newest_first"  # the allocations made last
+    MINIMUM_VICTIMS = "minimum_victims"  # the fewest allocations
+    MINIMUM_WASTE = "minimum_waste"  # the fewest GPU units freed beyond the need
+
+
+class PreemptReason(enum.StrEnum):
+    """Why an allocation is taken back (the PREEMPT push, metrics, logs)."""
+
+    PRIORITY = "priority"  # a waiting request of strictly higher priority
+    QUOTA_RECLAIM = "quota_reclaim"  # the lending tenant asks for its own quota
+    ELASTIC = "elastic"  # GPUs an elastic allocation got above its minimum
+    DRAIN = "drain"  # an operator drains the GPU
+    LOST = "lost"  # gone while its client was away (said by the client library, not by gpud)
+
+
+class AllocState(enum.StrEnum):
+    RUNNING = "running"
+    PREEMPTING = "preempting"  # told to leave; its devices stay its own until it does or the grace ends
+    SUSPENDED = "suspended"  # paused, its devices given back, waiting for them at its priority
 
 
 class _Msg(Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
@@ -338,6 +380,15 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True, kw_only=True):
     priority_class: PriorityClass | None = None
     wait_ms: Millis = 0
     owner_pid: Pid | None = None  # reclaimed when this process dies
+    on_preempt: Recovery = Recovery.TERMINATE
+    gpus_max: WholeGpus | None = None  # elastic: gpus (whole) is the minimum
+    protected: bool = False  # admin: never preempted
+    # Only the task's allocation as it is (running or suspended), never a new one: a client back after
+    # a lost connection says it still holds it (and is told of its preemption again); refused when gone.
+    existing: bool = False
+    # The connection carries the recovery out when told (PREEMPT pushes). False: it does not listen,
+    # so gpud tells the owner process by signals instead (and with no owner pid, never preempts it).
+    notify: bool = True
 
 
 class Free(_Msg, tag="FREE", frozen=True, kw_only=True):
@@ -349,6 +400,31 @@ class Free(_Msg, tag="FREE", frozen=True, kw_only=True):
 
 class ListAllocations(_Msg, tag="ALLOCS", frozen=True, kw_only=True):
     id: RequestId
+
+
+class Yield(_Msg, tag="YIELD", frozen=True, kw_only=True):
+    """The holder of a preempted allocation did what the notice asked (its program ended, or was
+    suspended, or let the named GPUs go): the devices go back now, not at the grace's end. Answered OK."""
+
+    id: RequestId
+    task_id: TaskId
+
+
+class Protect(_Msg, tag="PROTECT", frozen=True, kw_only=True):
+    """Admin: an allocation that is never preempted (or is again preemptible). Answered OK."""
+
+    id: RequestId
+    task_id: TaskId
+    protected: bool = True
+
+
+class Drain(_Msg, tag="DRAIN", frozen=True, kw_only=True):
+    """Admin: no new grants on a GPU, its allocations preempted with their recovery (on), or back in
+    service (off). Locks and leases finish their turn. Answered OK."""
+
+    id: RequestId
+    gpu: GpuRef
+    on: bool = True
 
 
 class ResetAllocations(_Msg, tag="RESET_ALLOCS", frozen=True, kw_only=True):
@@ -406,6 +482,9 @@ ClientMessage = Union[
     Allocate,
     Free,
     ListAllocations,
+    Yield,
+    Protect,
+    Drain,
     ResetAllocations,
     SchedOn,
     SchedOff,
@@ -520,6 +599,17 @@ class Allocated(_Reply, tag="ALLOCATED", frozen=True, kw_only=True):
     priority: int
     owner_pid: int | None
     waited_ms: float = 0.0
+    on_preempt: Recovery = Recovery.TERMINATE
+    gpus_min: int | None = None  # elastic: the range it may be shrunk and grown in
+    gpus_max: int | None = None
+    protected: bool = False
+    state: AllocState = AllocState.RUNNING
+    preemptible: bool = True  # False: production, protected, or no one to tell (``why``)
+    why: str = ""  # why it is in its state, or why it is not preemptible
+    deadline_s: float | None = None  # preempting: seconds left in its grace
+    resume: bool = False  # this start resumes a task preempted before (its checkpoint is there)
+    preemptions: int = 0  # how often this task was preempted
+    preemption_grace_s: float | None = None  # how long a preempted holder has to leave (the daemon's setting)
 
 
 class GpuAllocationSummary(Struct, frozen=True, kw_only=True):
@@ -536,10 +626,20 @@ class TenantSummary(Struct, frozen=True, kw_only=True):
     used: float
 
 
+class AllocWaiter(Struct, frozen=True, kw_only=True):
+    task_id: str
+    gpus: float
+    priority: int
+    waited_s: float
+    why: str  # what it waits for: what is short, or the victims whose grace runs
+
+
 class AllocationsReply(_Reply, tag="ALLOCS_REPLY", frozen=True, kw_only=True):
     id: RequestId
     allocations: list[Allocated]
     waiting: list[str]
+    waiters: list[AllocWaiter] = []
+    draining: list[int] = []  # GPUs an operator drains
     gpus: list[GpuAllocationSummary]
     cpus_total: int
     cpus_free: list[int]
@@ -601,6 +701,44 @@ class Revoked(_Reply, tag="REVOKED", frozen=True, kw_only=True):
     reason: RevokeReason
 
 
+class Preempt(_Reply, tag="PREEMPT", frozen=True, kw_only=True):
+    """Push to the connection that holds an allocation: leave within ``grace_s``. ``gpus`` are the
+    GPUs to give back: all of them (``whole``), or those an elastic allocation got above its minimum.
+    Until YIELD, FREE or the grace's end the devices stay the holder's."""
+
+    task_id: str
+    reason: PreemptReason
+    recovery: Recovery
+    gpus: list[int]
+    whole: bool
+    grace_s: float
+    by: str  # the task that waits for the devices, or "drain"
+
+
+class PreemptWithdrawn(_Reply, tag="PREEMPT_WITHDRAWN", frozen=True, kw_only=True):
+    """Push: the request that caused a PREEMPT gave up before the grace ended; carry on."""
+
+    task_id: str
+
+
+class AllocRevoked(_Reply, tag="ALLOC_REVOKED", frozen=True, kw_only=True):
+    """Push: the allocation is taken back (the grace ended, or the holder yielded). A suspended
+    allocation is not gone: it waits for its devices, and ALLOC_CHANGED ``resumed`` gives them back."""
+
+    task_id: str
+    reason: PreemptReason
+    state: AllocState  # suspended, or running for an allocation that is gone
+    gone: bool  # the allocation no longer exists (FREE is not needed)
+
+
+class AllocChanged(_Reply, tag="ALLOC_CHANGED", frozen=True, kw_only=True):
+    """Push: an allocation's devices changed: ``grown`` or ``shrunk`` (elastic), ``resumed`` (a
+    suspended allocation has its devices again)."""
+
+    change: AllocChange
+    allocation: Allocated
+
+
 class Goodbye(_Reply, tag="GOODBYE", frozen=True, kw_only=True):
     """Push: the daemon is shutting down; the connection closes next.
     Clients reconnect when it is back (their locks and leases are gone)."""
@@ -648,6 +786,8 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     memory_in_use_bytes: int  # what the holders need, as admission counts it
     healthy: bool = True  # False while NVML fails for this GPU
     memory_used_bytes: int | None = None  # NVML's last reading, every process's (None: simulated)
+    draining: bool = False  # an operator drains it: no new grants
+    drained: bool = False  # draining, and no allocation is left on it
     holders: list[HolderInfo]
     queue: list[WaiterInfo]
     clients: int
@@ -725,6 +865,10 @@ DaemonMessage = Union[
     DropLock,
     Park,
     Revoked,
+    Preempt,
+    PreemptWithdrawn,
+    AllocRevoked,
+    AllocChanged,
     Goodbye,
     SchedState,
     StatusReply,

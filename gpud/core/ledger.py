@@ -31,6 +31,28 @@ Rules kept here:
   and rolls back to it when the change cannot be stored, so the ledger is
   exactly what it was, waiters that the change would have served included.
 
+Taking allocations back (the rules of choosing victims are in ``gpud.core.preemption``):
+- Priority 100 (production) is never preempted by a request; 1..99 once it has run
+  ``min_runtime_us``; 0 (spot) at any time; a protected allocation never; nor one no one can be
+  told about (the shell keeps ``reachable``: a live holder, or an owner pid gpud may signal).
+- A waiter that does not fit may take back strictly lower priorities, an elastic allocation's
+  GPUs above its minimum (priorities up to its own), and allocations on borrowed tenant quota
+  when it asks within its own quota. Its victims get a ``Notice`` and ``grace_us``; their devices
+  stay theirs until they yield or free, or the grace ends: no device is held twice. The waiter
+  then waits at least until its victims' grace has ended; giving up (or being served before they
+  left) withdraws the notices, and a victim whose notice was withdrawn is not chosen again for
+  ``cooldown_us`` (no thrash).
+- Recovery ``suspend``: a victim that yields waits again, pinned to its GPUs, at its priority, and
+  is ``Served(resumed=True)`` when they are free. ``checkpoint``: the task's next allocation says
+  ``resume``. ``shrink``: only an elastic allocation's extras are ever taken.
+- Elastic allocations (``gpus_min``..``gpus_max`` whole GPUs) get what is free up to the maximum
+  (and up to what their tenant may use) when nobody of equal or higher priority waits, grow when
+  whole GPUs have stayed free for ``elastic_window_us`` and no such waiter waits, at most once per
+  ``elastic_cooldown_us`` (since their last change).
+- A draining GPU takes no new grants; every allocation on it that can be told gets a notice,
+  withdrawn when none of the GPUs it names drains any more.
+- ``next_deadline`` is never a time ``advance`` has already passed with nothing to do there.
+
 A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
 (the node is too full) and changes nothing. Pure: no clock, no storage; time
 is integer microseconds passed in.
@@ -39,12 +61,13 @@ is integer microseconds passed in.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpud.core.errors import LimitReached, Refused
-from gpud_client.protocol import ErrorCode, Strategy
+from gpud.core.preemption import Candidate, Need, Pool, Room, choose
+from gpud_client.protocol import ErrorCode, PreemptReason, PreemptStrategy, Recovery, Strategy
 from gpud_client.units import GPU_UNIT, fixed_gpus
 
 UNIT = GPU_UNIT  # one GPU
@@ -74,6 +97,10 @@ class Request:
     priority: int = 50
     owner_pid: int | None = None
     wait_us: int = 0
+    on_preempt: Recovery = Recovery.TERMINATE
+    gpus_max: int = 0  # elastic: at most this many whole GPUs (``gpus`` is the minimum); 0: not elastic
+    protected: bool = False
+    pinned: tuple[int, ...] = ()  # a suspended allocation waits for exactly these GPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +113,52 @@ class Allocation:
     priority: int
     owner_pid: int | None
     created_us: int
+    on_preempt: Recovery = Recovery.TERMINATE
+    gpus_min: int = 0  # elastic: whole GPUs it may be shrunk to; 0: not elastic
+    gpus_max: int = 0
+    protected: bool = False
+    preemptions: int = 0  # how often this task was preempted
+    resume: bool = False  # its last preemption asked it to checkpoint: this start resumes
+    changed_us: int = 0  # its last elastic change
 
     @property
     def total(self) -> int:
         return self.share * len(self.gpus)
+
+    @property
+    def extras(self) -> tuple[int, ...]:
+        """The GPUs an elastic allocation holds above its minimum (the last ones it got)."""
+        return self.gpus[self.gpus_min :] if self.gpus_min else ()
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionConfig:
+    grace_us: int = 30_000_000
+    min_runtime_us: int = 300_000_000
+    strategy: PreemptStrategy = PreemptStrategy.LOWEST_PRIORITY
+    cooldown_us: int = 60_000_000  # a victim whose notice was withdrawn is not chosen again for this long
+    elastic_cooldown_us: int = 60_000_000
+    elastic_window_us: int = 30_000_000
+    enabled: bool = True  # False: waiters never take anything back (a drain still does)
+    # Elastic allocations grow only while their GPUs are busy (utilisation at or above this, through
+    # the window) and give back their extras when their GPUs idle below it through the window. 0: off.
+    busy_percent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """An allocation told to give ``gpus`` back (all of them: ``whole``) by ``deadline``."""
+
+    task_id: str
+    reason: PreemptReason
+    gpus: tuple[int, ...]
+    whole: bool
+    issued: int
+    deadline: int
+    by: str  # the waiting task, or "drain"
+
+
+NEVER = 1 << 62  # a suspended allocation's wait has no deadline
 
 
 def to_fixed(gpus: float) -> int:
@@ -116,19 +185,31 @@ _TERM_TEXT: dict[str, Callable[[Any], str]] = {
     "tenant": lambda v: "no tenant" if v is None else f"tenant {v!r}",
     "priority": lambda v: f"priority {v}",
     "owner_pid": lambda v: "no owner pid" if v is None else f"owner pid {v}",
+    "on_preempt": lambda v: f"on_preempt {v}",
+    "gpus_max": lambda v: "no elastic range" if not v else f"at most {v} GPUs",
 }
 
 
 def _terms(x: Request | Allocation) -> dict[str, Any]:
     if isinstance(x, Allocation):
         return {
-            "gpus": x.total,
+            "gpus": x.gpus_min * UNIT if x.gpus_min else x.total,
             "cpus": len(x.cpus),
             "tenant": x.tenant,
             "priority": x.priority,
             "owner_pid": x.owner_pid,
+            "on_preempt": x.on_preempt,
+            "gpus_max": x.gpus_max,
         }
-    return {"gpus": x.gpus, "cpus": x.cpus, "tenant": x.tenant, "priority": x.priority, "owner_pid": x.owner_pid}
+    return {
+        "gpus": x.gpus,
+        "cpus": x.cpus,
+        "tenant": x.tenant,
+        "priority": x.priority,
+        "owner_pid": x.owner_pid,
+        "on_preempt": x.on_preempt,
+        "gpus_max": x.gpus_max,
+    }
 
 
 def _and(parts: list[str]) -> str:
@@ -161,9 +242,10 @@ class Insufficient(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """A waiter got its allocation."""
+    """A waiter got its allocation (``resumed``: a suspended allocation has its devices again)."""
 
     allocation: Allocation
+    resumed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +256,42 @@ class Expired:
     reason: Insufficient
 
 
-LedgerEffect = Served | Expired
+@dataclass(frozen=True, slots=True)
+class Noticed:
+    """An allocation is told to leave (``notice``)."""
+
+    allocation: Allocation
+    notice: Notice
+
+
+@dataclass(frozen=True, slots=True)
+class Withdrawn:
+    """A notice is withdrawn: the waiter gave up, or the GPU is no longer drained."""
+
+    allocation: Allocation
+    notice: Notice
+
+
+@dataclass(frozen=True, slots=True)
+class TakenBack:
+    """A notice is carried out: the allocation is gone (``after`` None), suspended
+    (``suspended``), or shrunk to ``after``; ``overran``: its grace ended, it did not yield."""
+
+    before: Allocation
+    notice: Notice
+    after: Allocation | None
+    suspended: bool
+    overran: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Grown:
+    """An elastic allocation got more GPUs."""
+
+    allocation: Allocation
+
+
+LedgerEffect = Served | Expired | Noticed | Withdrawn | TakenBack | Grown
 
 
 @dataclass(slots=True)
@@ -182,6 +299,26 @@ class _Waiter:
     request: Request
     deadline: int
     last_reason: Insufficient
+    since: int = 0
+    victims: frozenset[str] = frozenset()  # allocations told to leave for it
+    suspended: Allocation | None = None  # a suspended allocation waiting for its GPUs
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """What is durable of one task id: its allocation and notice, its wait when it is suspended or
+    has victims, its preemption history. See ``Ledger.records``."""
+
+    task_id: str
+    allocation: Allocation | None = None
+    notice: Notice | None = None
+    waiting: Request | None = None
+    wait_deadline: int = 0
+    wait_since: int = 0
+    victims: tuple[str, ...] = ()
+    suspended: Allocation | None = None
+    preemptions: int = 0
+    resume: bool = False
 
 
 @dataclass(slots=True)
@@ -199,10 +336,17 @@ class Checkpoint:
     free_cpus: frozenset[int]
     allocs: dict[str, Allocation]
     waiters: list[tuple[int, int, str]]
-    waiting: dict[str, tuple[Request, int, Insufficient]]
+    waiting: dict[str, tuple[Request, int, Insufficient, int, frozenset[str], Allocation | None]]
     seq: int
     rr_last: int
     rng: tuple[Any, ...]
+    notices: dict[str, Notice]
+    history: dict[str, tuple[int, bool]]
+    immune: dict[str, int]
+    draining: frozenset[int]
+    grow_since: dict[str, int]
+    advanced_to: int
+    reserved: dict[int, str]
 
 
 class Ledger:
@@ -215,6 +359,7 @@ class Ledger:
         tenants: dict[str, TenantQuota] | None = None,
         seed: int = 0,
         max_waiters: int = 256,
+        preemption: PreemptionConfig | None = None,
     ) -> None:
         self._gpus = {g.index: _Gpu(g) for g in gpus}
         self._cpus = sorted(cpus)
@@ -228,19 +373,36 @@ class Ledger:
         self._rng = random.Random(seed)
         self._rr_last = -1
         self._max_waiters = max_waiters
+        self.preemption = preemption or PreemptionConfig()
+        self._notices: dict[str, Notice] = {}
+        self._history: dict[str, tuple[int, bool]] = {}  # task id -> (preemptions, resume): no allocation now
+        self._immune: dict[str, int] = {}  # task id -> until when it is not chosen again
+        self._draining: set[int] = set()
+        self._grow_since: dict[str, int] = {}  # elastic task id -> since when it could grow
+        self._advanced_to = 0  # the last ``advance``: maturities up to it are in the past
+        self._reserved: dict[int, str] = {}  # GPU a victim gave back -> the waiter it was taken for
+        self._whole_candidates = _Made()
+        # Readings of GPU utilisation (observations, not decisions): since when each GPU is busy or idle.
+        self._busy_since: dict[int, int] = {}
+        self._idle_since: dict[int, int] = {}
+        self.reachable: set[str] = set()  # the shell's fact: task ids someone can be told about
 
     # --- calls ------------------------------------------------------------
 
-    def allocate(self, req: Request, now: int) -> Allocation | None:
-        """The allocation, or None if the request now waits (``wait_us`` > 0).
+    def allocate(self, req: Request, now: int, *, rejoin: bool = False) -> Allocation | None:
+        """The allocation, or None if the request now waits (``wait_us`` > 0; ``advance`` then
+        looks for victims that would let it fit).
 
         Raises Refused for a wrong request and Insufficient when it does not
-        fit and may not wait; either way nothing changed."""
+        fit and may not wait; either way nothing changed. ``rejoin``: the task's wait (restored
+        from the store, its connection gone) is the caller's now, with the same terms."""
         if (held := self._allocs.get(req.task_id)) is not None:
             _check_same_terms(req, _terms(held), "holds")
             return held
         if (waiter := self._waiting.get(req.task_id)) is not None:
-            _check_same_terms(req, _terms(waiter.request), "waits for")
+            _check_same_terms(req, _terms(waiter.suspended or waiter.request), "waits for")
+            if waiter.suspended is not None or rejoin:  # its holder again, or a wait whose connection is gone
+                return None
             raise Refused(
                 ErrorCode.INVALID,
                 f"task {req.task_id!r} already waits for this allocation: one request "
@@ -256,24 +418,60 @@ class Ledger:
                 raise LimitReached(
                     "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
                 ) from None
-            self._waiting[req.task_id] = _Waiter(req, now + req.wait_us, short)
-            self._seq += 1
-            self._waiters.append((-req.priority, self._seq, req.task_id))
-            self._waiters.sort()
+            self._enqueue(_Waiter(req, now + req.wait_us, short, now))
             return None
 
     def release(self, task_id: str, now: int) -> tuple[Allocation | None, list[LedgerEffect]]:
-        """Free a task's allocation and serve waiters that now fit, or withdraw its wait."""
-        alloc = self._allocs.pop(task_id, None)
+        """Free a task's allocation and serve waiters that now fit, or withdraw its wait (and the
+        notices it caused). An allocation freed under a notice counts as that preemption done."""
+        alloc = self._allocs.get(task_id)
         if alloc is None:
+            effects: list[LedgerEffect] = []
             if task_id in self._waiting:
-                self._unwait(task_id)
-            return None, []
-        for g in alloc.gpus:
-            gpu = self._gpus[g]
-            gpu.free += gpu.tasks.pop(task_id)
-        self._free_cpus.update(alloc.cpus)
+                effects = self._unwait(task_id, now)
+            return None, effects
+        notice = self._notices.pop(task_id, None)
+        if notice is not None and notice.whole:
+            self._remember(alloc)
+        else:
+            self._history.pop(task_id, None)
+        if notice is not None and notice.by in self._waiting:
+            self._reserved.update((g, notice.by) for g in notice.gpus)
+        self._drop(alloc)
         return alloc, self._serve(now)
+
+    def yield_(self, task_id: str, now: int) -> list[LedgerEffect]:
+        """The holder of a notice did what it asked: carry it out now."""
+        if task_id not in self._notices:
+            what = "has no allocation" if task_id not in self._allocs else "was not asked to leave"
+            raise Refused(ErrorCode.INVALID, f"task {task_id!r} {what}: there is nothing to yield")
+        return self._take_back(task_id, now, overran=False)
+
+    def protect(self, task_id: str, protected: bool) -> Allocation:
+        """An admin's protection: a protected allocation is never chosen as a victim (a notice it
+        already has stands)."""
+        alloc = self._allocs.get(task_id)
+        if alloc is None:
+            raise Refused(ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
+        alloc = replace(alloc, protected=protected)
+        self._allocs[task_id] = alloc
+        return alloc
+
+    def drain(self, gpu: int, on: bool, now: int) -> list[LedgerEffect]:
+        """Drain a GPU (no new grants; ``advance`` tells its allocations to leave) or put it back,
+        withdrawing the drain's notices that still run."""
+        if gpu not in self._gpus:
+            raise Refused(ErrorCode.UNKNOWN_GPU, f"unknown GPU {gpu}")
+        effects: list[LedgerEffect] = []
+        if on:
+            self._draining.add(gpu)
+            return effects
+        self._draining.discard(gpu)
+        for task_id, n in list(self._notices.items()):  # not while another of its GPUs drains
+            if n.reason == PreemptReason.DRAIN and gpu in n.gpus and not self._draining.intersection(n.gpus):
+                del self._notices[task_id]
+                effects.append(Withdrawn(self._allocs[task_id], n))
+        return effects + self._serve(now)
 
     def checkpoint(self) -> Checkpoint:
         """A copy of the whole state, to ``rollback`` to if a change cannot be stored."""
@@ -282,10 +480,20 @@ class Ledger:
             free_cpus=frozenset(self._free_cpus),
             allocs=dict(self._allocs),
             waiters=list(self._waiters),
-            waiting={t: (w.request, w.deadline, w.last_reason) for t, w in self._waiting.items()},
+            waiting={
+                t: (w.request, w.deadline, w.last_reason, w.since, w.victims, w.suspended)
+                for t, w in self._waiting.items()
+            },
             seq=self._seq,
             rr_last=self._rr_last,
             rng=self._rng.getstate(),
+            notices=dict(self._notices),
+            history=dict(self._history),
+            immune=dict(self._immune),
+            draining=frozenset(self._draining),
+            grow_since=dict(self._grow_since),
+            advanced_to=self._advanced_to,
+            reserved=dict(self._reserved),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -298,6 +506,10 @@ class Ledger:
         self._waiting = {t: _Waiter(*w) for t, w in cp.waiting.items()}
         self._seq, self._rr_last = cp.seq, cp.rr_last
         self._rng.setstate(cp.rng)
+        self._notices, self._history, self._immune = dict(cp.notices), dict(cp.history), dict(cp.immune)
+        self._draining, self._grow_since = set(cp.draining), dict(cp.grow_since)
+        self._advanced_to = cp.advanced_to
+        self._reserved = dict(cp.reserved)
 
     def restore(self, alloc: Allocation) -> None:
         """Put back an allocation read from the store at start-up (ValueError: it cannot be)."""
@@ -318,22 +530,108 @@ class Ledger:
             raise ValueError(f"stored allocation of {alloc.task_id!r} uses CPU cores that are not free")
         self._commit(alloc)
 
-    def reconfigure(self, *, tenants: dict[str, TenantQuota], max_waiters: int) -> None:
-        """New tenant quotas and waiter cap (a reload): they apply to requests from now on."""
+    def restore_record(self, rec: TaskRecord, now: int) -> None:
+        """Put back one stored task (``records``' counterpart; ValueError: it cannot be). Times
+        from before a reboot (monotonic time started again) are brought within reach of ``now``."""
+        if rec.allocation is not None:
+            alloc = rec.allocation
+            if alloc.created_us > now:
+                alloc = replace(alloc, created_us=now, changed_us=min(alloc.changed_us, now))
+            self.restore(alloc)
+            if rec.notice is not None:
+                n = rec.notice
+                if n.deadline > now + self.preemption.grace_us:
+                    n = replace(n, issued=now, deadline=now + self.preemption.grace_us)
+                self._notices[rec.task_id] = n
+        elif rec.waiting is not None:
+            # The cap is for requests (a suspended allocation is none), and those stored were admitted under
+            # it: only a lowered cap refuses one.
+            requests = sum(1 for w in self._waiting.values() if w.suspended is None)
+            full = rec.suspended is None and requests >= self._max_waiters
+            if rec.task_id in self._waiting or full:
+                raise ValueError(f"stored wait of {rec.task_id!r} is there twice, or too many waits are stored")
+            self._validate(rec.waiting)
+            short = Insufficient("gpus", "waiting since before gpud restarted")
+            # within reach of now: its own wait, or its victims' grace when that is longer (as ``_plan`` set it)
+            reach = max(rec.waiting.wait_us, self.preemption.grace_us + 1) if rec.victims else rec.waiting.wait_us
+            deadline = NEVER if rec.suspended is not None else min(rec.wait_deadline, now + reach)
+            self._enqueue(
+                _Waiter(rec.waiting, deadline, short, min(rec.wait_since, now), frozenset(rec.victims), rec.suspended)
+            )
+        if rec.allocation is None and rec.suspended is None and (rec.preemptions or rec.resume):
+            self._history[rec.task_id] = (rec.preemptions, rec.resume)
+
+    def records(self, before: dict[str, TaskRecord] | None = None) -> dict[str, TaskRecord]:
+        """Everything durable, per task id: the shell stores what changed after every change.
+        ``before``: the last records; an allocation's record that did not change is the same object
+        (allocations and notices are replaced, never changed), so comparing costs little."""
+        out: dict[str, TaskRecord] = {}
+        before = before or {}
+        notices = self._notices
+        for t, a in self._allocs.items():
+            n = notices.get(t)
+            old = before.get(t)
+            if old is not None and old.allocation is a and old.notice is n:
+                out[t] = old
+            else:
+                out[t] = TaskRecord(t, allocation=a, notice=n)
+        for t, w in self._waiting.items():
+            if w.suspended is None and not w.victims:
+                continue  # a plain wait dies with its connection: nothing to keep
+            pre, resume = self._history.get(t, (0, False))
+            if w.suspended is not None:  # its own count and flag (the store keeps one pair per task)
+                pre, resume = w.suspended.preemptions, w.suspended.resume
+            out[t] = TaskRecord(
+                t,
+                waiting=w.request,
+                wait_deadline=w.deadline,
+                wait_since=w.since,
+                victims=tuple(sorted(w.victims)),
+                suspended=w.suspended,
+                preemptions=pre,
+                resume=resume,
+            )
+        for t, (pre, resume) in self._history.items():
+            if t not in out:
+                out[t] = TaskRecord(t, preemptions=pre, resume=resume)
+        return out
+
+    def reconfigure(
+        self, *, tenants: dict[str, TenantQuota], max_waiters: int, preemption: PreemptionConfig | None = None
+    ) -> None:
+        """New tenant quotas, waiter cap and preemption settings (a reload): they apply from now on."""
         self._tenants = dict(tenants)
         self._max_waiters = max_waiters
+        if preemption is not None:
+            self.preemption = preemption
 
     def advance(self, now: int) -> list[LedgerEffect]:
-        """Expire waiters whose deadline passed."""
+        """Carry out notices whose grace ended, expire waiters whose deadline passed, tell
+        allocations on draining GPUs to leave, grow elastic allocations, and find victims for
+        waiters that do not fit."""
         effects: list[LedgerEffect] = []
+        self._advanced_to = max(self._advanced_to, now)
+        for task_id, n in list(self._notices.items()):
+            if now >= n.deadline and task_id in self._notices:
+                effects += self._take_back(task_id, now, overran=True)
         for task_id, w in list(self._waiting.items()):
-            if now >= w.deadline:
-                self._unwait(task_id)
+            if task_id in self._waiting and now >= w.deadline and not self._victims_running(w):
+                effects += self._unwait(task_id, now)
                 effects.append(Expired(task_id, w.last_reason))
+        self._immune = {t: until for t, until in self._immune.items() if until > now}
+        effects += self._drain_notices(now)
+        effects += self._grow(now)
+        effects += self._shrink_idle(now)
+        effects += self._plan(now)
         return effects
 
     def next_deadline(self) -> int | None:
-        return min((w.deadline for w in self._waiting.values()), default=None)
+        times = [w.deadline for w in self._waiting.values() if w.deadline < NEVER]
+        times += [n.deadline for n in self._notices.values()]
+        times += [self._grow_at(t) for t in self._grow_since]
+        times += self._maturities()
+        times += self._idle_times()
+        return min(times, default=None)
 
     # --- reading ------------------------------------------------------------
 
@@ -344,7 +642,44 @@ class Ledger:
         return self._allocs.get(task_id)
 
     def waiting(self) -> list[Request]:
-        return [self._waiting[t].request for _, _, t in self._waiters]
+        return [self._waiting[t].request for _, _, t in self._waiters if self._waiting[t].suspended is None]
+
+    def waiter_info(self) -> list[tuple[Request, int, str]]:
+        """Each waiter that is not a suspended allocation: its request, since when, and why it waits."""
+        out = []
+        for _, _, t in self._waiters:
+            w = self._waiting[t]
+            if w.suspended is not None:
+                continue
+            why = w.last_reason.message
+            if w.victims:
+                why = "waits for " + ", ".join(sorted(w.victims)) + " to leave (their grace runs)"
+            out.append((w.request, w.since, why))
+        return out
+
+    def suspended(self) -> list[Allocation]:
+        return [w.suspended for w in self._waiting.values() if w.suspended is not None]
+
+    def notice_of(self, task_id: str) -> Notice | None:
+        return self._notices.get(task_id)
+
+    def history_of(self, task_id: str) -> tuple[int, bool]:
+        return self._history.get(task_id, (0, False))
+
+    def draining(self) -> frozenset[int]:
+        return frozenset(self._draining)
+
+    def not_preemptible(self, alloc: Allocation) -> str:
+        """Why ``alloc`` is never chosen as a victim ("" when it may be)."""
+        if alloc.protected:
+            return "protected by an admin"
+        if alloc.priority >= 100:
+            return "production priority"
+        if alloc.task_id not in self.reachable:
+            return "no one to tell: no client holds it and it has no owner process gpud may signal"
+        if alloc.on_preempt == Recovery.SHRINK and not alloc.extras:
+            return "on_preempt shrink, at its minimum"
+        return ""
 
     def fractions_on(self, gpu: int) -> list[Allocation]:
         """The fractional allocations on ``gpu`` (their sessions are limited to their share)."""
@@ -381,6 +716,18 @@ class Ledger:
             )
         if req.gpus // UNIT > n:
             raise Refused(ErrorCode.INVALID, f"{req.gpus // UNIT} GPUs asked, this node has {n}")
+        if req.gpus_max:
+            if req.gpus < UNIT or req.gpus % UNIT:
+                raise Refused(ErrorCode.INVALID, "an elastic allocation is of whole GPUs: gpus=MIN..MAX, MIN >= 1")
+            if req.gpus_max <= req.gpus // UNIT:
+                raise Refused(
+                    ErrorCode.INVALID,
+                    f"elastic range {req.gpus // UNIT}..{req.gpus_max}: the maximum must be above the minimum",
+                )
+            if req.gpus_max > n:
+                raise Refused(ErrorCode.INVALID, f"elastic range up to {req.gpus_max} GPUs, this node has {n}")
+        elif req.on_preempt == Recovery.SHRINK:
+            raise Refused(ErrorCode.INVALID, "on_preempt shrink needs an elastic allocation (gpus=MIN..MAX)")
         if req.cpus < 0 or req.cpus > len(self._cpus):
             raise Refused(ErrorCode.INVALID, f"{req.cpus} CPU cores asked, this node has {len(self._cpus)}")
         for g in req.prefer:
@@ -393,16 +740,34 @@ class Ledger:
             known = ", ".join(sorted(self._tenants)) or "none configured"
             raise Refused(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r} (tenants: {known})")
 
-    def _place(self, req: Request, now: int) -> Allocation:
+    def _place(self, req: Request, now: int, suspended: Allocation | None = None) -> Allocation:
         self._check_tenant(req)
         gpus = self._choose_gpus(req) if req.gpus > 0 else []
         cpus = self._choose_cpus(req.cpus, gpus)
         share = UNIT if req.gpus >= UNIT else req.gpus
+        pre, resume = self._history.get(req.task_id, (0, False))
         alloc = Allocation(
-            req.task_id, tuple(gpus), share if gpus else 0, tuple(cpus), req.tenant, req.priority, req.owner_pid, now
+            req.task_id,
+            tuple(gpus),
+            share if gpus else 0,
+            tuple(cpus),
+            req.tenant,
+            req.priority,
+            req.owner_pid,
+            now,
+            on_preempt=req.on_preempt,
+            gpus_min=req.gpus // UNIT if req.gpus_max else 0,
+            gpus_max=req.gpus_max,
+            protected=req.protected,
+            preemptions=pre,
+            resume=resume,
+            changed_us=now,
         )
+        if suspended is not None:  # the same allocation, its devices back
+            alloc = replace(suspended, cpus=tuple(cpus), changed_us=now)
         if req.strategy == Strategy.ROUND_ROBIN and gpus:
             self._rr_last = gpus[-1]
+        self._history.pop(req.task_id, None)
         self._commit(alloc)
         return alloc
 
@@ -414,15 +779,29 @@ class Ledger:
         self._free_cpus.difference_update(alloc.cpus)
         self._allocs[alloc.task_id] = alloc
 
-    def _check_tenant(self, req: Request) -> None:
+    def _drop(self, alloc: Allocation) -> None:
+        del self._allocs[alloc.task_id]
+        self._whole_candidates.forget(alloc.task_id)
+        for g in alloc.gpus:
+            gpu = self._gpus[g]
+            gpu.free += gpu.tasks.pop(alloc.task_id)
+        self._free_cpus.update(alloc.cpus)
+        self._grow_since.pop(alloc.task_id, None)
+
+    def _check_tenant(self, req: Request, minus: dict[str, int] | None = None) -> None:
         if req.tenant is None:
             return
+        minus = minus or {}
         quota = self._tenants[req.tenant]
-        used = self.tenant_usage(req.tenant)
+
+        def usage(t: str) -> int:
+            return self.tenant_usage(t) - minus.get(t, 0)
+
+        used = usage(req.tenant)
         over = used + req.gpus - quota.gpus
         if over <= 0:
             return
-        idle = sum(max(0, q.gpus - self.tenant_usage(t)) for t, q in self._tenants.items() if t != req.tenant)
+        idle = sum(max(0, q.gpus - usage(t)) for t, q in self._tenants.items() if t != req.tenant)
         if over > quota.borrow or over > idle:
             raise Insufficient(
                 "tenant_quota",
@@ -430,6 +809,15 @@ class Ledger:
                 f"{req.gpus / UNIT:g} more needs {over / UNIT:g} borrowed, and it may borrow "
                 f"{min(quota.borrow, idle) / UNIT:g} now (bound {quota.borrow / UNIT:g}, idle elsewhere {idle / UNIT:g})",
             )
+
+    def _tenant_room(self, tenant: str | None) -> int:
+        """How much more ``tenant`` may use now: the rest of its quota and what it may still borrow
+        (``_check_tenant``'s rule solved for the amount)."""
+        if tenant is None:
+            return len(self._gpus) * UNIT
+        quota, used = self._tenants[tenant], self.tenant_usage(tenant)
+        idle = sum(max(0, q.gpus - self.tenant_usage(t)) for t, q in self._tenants.items() if t != tenant)
+        return max(0, quota.gpus - used + min(quota.borrow, idle))
 
     def _order(self, candidates: list[_Gpu], req: Request) -> list[_Gpu]:
         match req.strategy:
@@ -447,16 +835,40 @@ class Ledger:
         preferred = [g for p in req.prefer for g in ordered if g.spec.index == p]
         return preferred + [g for g in ordered if g not in preferred]
 
+    def _open_gpus(self, req: Request) -> list[_Gpu]:
+        """The GPUs a request may be placed on: not draining, its own when it is pinned, and not
+        kept for a waiter of its priority or higher whose victim gave them back (so what a
+        preemption freed is not taken by whoever comes next while the rest of it runs)."""
+        return [
+            g
+            for g in self._gpus.values()
+            if g.spec.index not in self._draining
+            and (not req.pinned or g.spec.index in req.pinned)
+            and not self._kept_from(g.spec.index, req)
+        ]
+
+    def _kept_from(self, gpu: int, req: Request) -> bool:
+        waiter = self._waiting.get(self._reserved.get(gpu, ""))
+        return waiter is not None and waiter.request.task_id != req.task_id and waiter.request.priority >= req.priority
+
     def _choose_gpus(self, req: Request) -> list[int]:
+        gpus = self._open_gpus(req)
+        if req.pinned:
+            if len(gpus) < len(req.pinned) or any(g.free < min(req.gpus, UNIT) for g in gpus):
+                raise Insufficient("gpus", f"waits for its own GPUs {list(req.pinned)} to be free again")
+            return list(req.pinned)
         if req.gpus >= UNIT:
             need = req.gpus // UNIT
-            free = [g for g in self._gpus.values() if g.free == UNIT]
+            free = [g for g in gpus if g.free == UNIT]
             if len(free) < need:
                 raise Insufficient("gpus", f"{need} whole GPU(s) asked, {len(free)} entirely free now")
+            if req.gpus_max and not any(-p >= req.priority for p, _, t in self._waiters if t != req.task_id):
+                # elastic: what is free, up to its maximum and what its tenant may still use
+                need = max(need, min(req.gpus_max, len(free), self._tenant_room(req.tenant) // UNIT))
             return [g.spec.index for g in self._order(free, req)[:need]]
-        fits = [g for g in self._gpus.values() if g.free >= req.gpus]
+        fits = [g for g in gpus if g.free >= req.gpus]
         if not fits:
-            most = max((g.free for g in self._gpus.values()), default=0)
+            most = max((g.free for g in gpus), default=0)
             raise Insufficient(
                 "gpus", f"{req.gpus / UNIT:g} of one GPU asked, the most free on any GPU is {most / UNIT:g}"
             )
@@ -477,9 +889,78 @@ class Ledger:
         rest = sorted(c for c in self._free_cpus if c not in local)
         return (local + rest)[:count]
 
-    def _unwait(self, task_id: str) -> None:
-        del self._waiting[task_id]
-        self._waiters = [w for w in self._waiters if w[2] != task_id]
+    def _enqueue(self, w: _Waiter) -> None:
+        self._waiting[w.request.task_id] = w
+        self._seq += 1
+        self._waiters.append((-w.request.priority, self._seq, w.request.task_id))
+        self._waiters.sort()
+
+    def _unwait(self, task_id: str, now: int) -> list[LedgerEffect]:
+        """Out of the queue; the notices it caused are withdrawn (their victims then rest a while)."""
+        w = self._waiting.pop(task_id)
+        self._waiters = [x for x in self._waiters if x[2] != task_id]
+        if w.suspended is not None:
+            self._history.pop(task_id, None)
+        kept = len(self._reserved)
+        effects = self._withdraw_for(w, now)
+        if len(self._reserved) < kept:  # the GPUs kept for it are open to the others again
+            effects += self._serve(now)
+        return effects
+
+    def _withdraw_for(self, w: _Waiter, now: int) -> list[LedgerEffect]:
+        """The notices given for ``w`` that still run are withdrawn: it gave up, or it was served
+        without them. Their victims are not chosen again for a while (no thrash)."""
+        effects: list[LedgerEffect] = []
+        self._reserved = {g: t for g, t in self._reserved.items() if t != w.request.task_id}
+        for v in sorted(w.victims):
+            n = self._notices.get(v)
+            if n is not None and n.by == w.request.task_id:
+                del self._notices[v]
+                self._immune[v] = now + self.preemption.cooldown_us
+                effects.append(Withdrawn(self._allocs[v], n))
+        return effects
+
+    def _victims_running(self, w: _Waiter) -> bool:
+        """Whether a notice given for ``w`` still runs: it waits at least until they end."""
+        return any(v in self._notices and self._notices[v].by == w.request.task_id for v in w.victims)
+
+    def _remember(self, alloc: Allocation) -> None:
+        """A whole preemption: the task's next allocation hears of it."""
+        resume = alloc.on_preempt in (Recovery.CHECKPOINT, Recovery.SUSPEND) or alloc.resume
+        self._history[alloc.task_id] = (alloc.preemptions + 1, resume)
+        while len(self._history) > 4 * self._max_waiters + 4096:  # bounded: the oldest are forgotten
+            del self._history[next(iter(self._history))]
+
+    def _take_back(self, task_id: str, now: int, *, overran: bool) -> list[LedgerEffect]:
+        n = self._notices.pop(task_id)
+        alloc = self._allocs[task_id]
+        if n.by in self._waiting:
+            self._reserved.update((g, n.by) for g in n.gpus)
+        if not n.whole:
+            self._drop(alloc)
+            after = replace(alloc, gpus=tuple(g for g in alloc.gpus if g not in n.gpus), changed_us=now)
+            self._commit(after)
+            return [TakenBack(alloc, n, after, False, overran), *self._serve(now)]
+        self._drop(alloc)
+        suspend = alloc.on_preempt == Recovery.SUSPEND and not overran
+        effects: list[LedgerEffect] = [TakenBack(alloc, n, None, suspend, overran)]
+        if suspend:
+            req = Request(
+                task_id,
+                alloc.total if not alloc.gpus_min else len(alloc.gpus) * UNIT,
+                cpus=len(alloc.cpus),
+                tenant=alloc.tenant,
+                priority=alloc.priority,
+                owner_pid=alloc.owner_pid,
+                on_preempt=alloc.on_preempt,
+                protected=alloc.protected,
+                pinned=alloc.gpus,  # exactly these GPUs: no elastic range (its terms are the allocation's)
+            )
+            held = replace(alloc, preemptions=alloc.preemptions + 1, resume=True)
+            self._enqueue(_Waiter(req, NEVER, Insufficient("gpus", "suspended"), now, suspended=held))
+        else:
+            self._remember(alloc)
+        return effects + self._serve(now)
 
     def _serve(self, now: int) -> list[LedgerEffect]:
         """Grant waiters in priority order, each as soon as it fits."""
@@ -487,10 +968,256 @@ class Ledger:
         for _, _, task_id in list(self._waiters):
             w = self._waiting[task_id]
             try:
-                alloc = self._place(w.request, now)
+                alloc = self._place(w.request, now, w.suspended)
             except Insufficient as short:
                 w.last_reason = short
                 continue
-            self._unwait(task_id)
-            effects.append(Served(alloc))
+            del self._waiting[task_id]
+            self._waiters = [x for x in self._waiters if x[2] != task_id]
+            effects.append(Served(alloc, resumed=w.suspended is not None))
+            effects += self._withdraw_for(w, now)  # served before all its victims left: they may stay
         return effects
+
+    # --- taking back ---------------------------------------------------------
+
+    def _drain_notices(self, now: int) -> list[LedgerEffect]:
+        effects: list[LedgerEffect] = []
+        for gpu in sorted(self._draining):
+            for task_id in list(self._gpus[gpu].tasks):
+                if task_id in self._notices or task_id not in self.reachable:
+                    continue
+                alloc = self._allocs[task_id]
+                whole = gpu not in alloc.extras
+                gpus = alloc.gpus if whole else (gpu,)
+                effects += self._notice(alloc, PreemptReason.DRAIN, gpus, whole, "drain", now)
+        return effects
+
+    def _notice(
+        self, alloc: Allocation, reason: PreemptReason, gpus: tuple[int, ...], whole: bool, by: str, now: int
+    ) -> list[LedgerEffect]:
+        n = Notice(alloc.task_id, reason, gpus, whole, now, now + self.preemption.grace_us, by)
+        self._notices[alloc.task_id] = n
+        self._grow_since.pop(alloc.task_id, None)
+        return [Noticed(alloc, n)]
+
+    def _eligible(self, alloc: Allocation) -> bool:
+        return (
+            alloc.task_id not in self._notices
+            and alloc.task_id in self.reachable
+            and not alloc.protected
+            and alloc.priority < 100
+            and alloc.task_id not in self._immune
+        )
+
+    def _maturities(self) -> list[int]:
+        """When allocations reach their minimum runtime, while some waiter may want them. Only those
+        still to come: one already past is no reason to wake (the timer would wake again at once)."""
+        if not any(w.suspended is None and not self._victims_running(w) for w in self._waiting.values()):
+            return []
+        at = [a.created_us + self.preemption.min_runtime_us for a in self._allocs.values() if a.priority > 0]
+        at += list(self._immune.values())
+        return [t for t in at if t > self._advanced_to]
+
+    def _plan(self, now: int) -> list[LedgerEffect]:
+        """Victims for each waiter (highest priority first) that has none and does not fit."""
+        effects: list[LedgerEffect] = []
+        if not self.preemption.enabled:
+            return effects
+        for _, _, task_id in list(self._waiters):
+            w = self._waiting.get(task_id)
+            if w is None or self._victims_running(w):
+                continue
+            victims = self._victims_for(w.request, now)
+            if not victims:
+                continue
+            for c in victims:
+                effects += self._notice(self._allocs[c.task_id], c.reason, c.gpus, c.whole, task_id, now)
+            w.victims = frozenset(c.task_id for c in victims)
+            w.deadline = max(w.deadline, now + self.preemption.grace_us + 1)
+        return effects
+
+    def _victims_for(self, req: Request, now: int) -> list[Candidate]:
+        open_gpus = self._open_gpus(req)
+        room = Room({g.spec.index: g.free for g in open_gpus}, len(self._free_cpus))
+        need = Need(req.gpus if not req.pinned else len(req.pinned) * min(req.gpus, UNIT), req.cpus)
+        mature = now - self.preemption.min_runtime_us
+        extras: list[Candidate] = []
+        reclaim: list[Candidate] = []
+        lower: list[Candidate] = []
+        notices, reachable, immune = self._notices, self.reachable, self._immune
+        made, priority = self._whole_candidates.by_task, req.priority
+        for t, a in self._allocs.items():  # one pass over every allocation: kept lean
+            held = made.get(t)
+            if held is None or held[0] is not a:
+                held = self._whole_candidates.make(a, self._candidate)
+            c = held[1]  # None: never a victim of a request (production, protected)
+            if c is None or c.priority > priority or t in notices or t not in reachable or t in immune:
+                continue
+            if held[2]:  # elastic, above its minimum
+                extras.append(self._candidate(a, PreemptReason.ELASTIC, a.extras))
+            if c.priority < priority and not held[3] and (not c.priority or c.created <= mature):
+                lower.append(c)
+        if req.tenant is not None and self.tenant_usage(req.tenant) + req.gpus <= self._tenants[req.tenant].gpus:
+            reclaim = self._borrowed(req.tenant)
+        reclaimed = {c.task_id for c in reclaim}
+        pools = [
+            Pool(extras, PreemptStrategy.LOWEST_PRIORITY),
+            Pool(reclaim, PreemptStrategy.NEWEST_FIRST),
+            Pool([c for c in lower if c.task_id not in reclaimed], self.preemption.strategy),
+        ]
+
+        if req.tenant is None:
+            return _one_per_task(choose(need, room, pools, None))
+
+        def tenant_ok(victims: Sequence[Candidate]) -> bool:
+            minus: dict[str, int] = {}
+            for c in victims:
+                if c.tenant is not None:
+                    minus[c.tenant] = minus.get(c.tenant, 0) + c.units
+            try:
+                self._check_tenant(req, minus)
+            except Insufficient:
+                return False
+            return True
+
+        chosen = choose(need, room, pools, tenant_ok)
+        return _one_per_task(chosen)
+
+    def _candidate(self, a: Allocation, reason: PreemptReason, gpus: tuple[int, ...]) -> Candidate:
+        whole = gpus == a.gpus
+        return Candidate(
+            a.task_id, gpus, a.share, len(a.cpus) if whole else 0, a.priority, a.created_us, whole, reason, a.tenant
+        )
+
+    def _borrowed(self, lender: str) -> list[Candidate]:
+        """Allocations of tenants above their quota, newest first, as far as they are over it."""
+        out: list[Candidate] = []
+        for tenant, quota in self._tenants.items():
+            if tenant == lender:
+                continue
+            over = self.tenant_usage(tenant) - quota.gpus
+            for a in sorted(
+                (a for a in self._allocs.values() if a.tenant == tenant), key=lambda a: (-a.created_us, a.task_id)
+            ):
+                if over <= 0:
+                    break
+                if self._eligible(a) and a.on_preempt != Recovery.SHRINK:
+                    out.append(self._candidate(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
+                over -= a.total
+        return out
+
+    def observe(self, gpu: int, percent: float, now: int) -> bool:
+        """A reading of ``gpu``'s utilisation (the shell's NVML samples): busy at or above
+        ``busy_percent``. Only elastic allocations' pacing reads it, and only when that is set.
+        True when the GPU turned busy or idle (``next_deadline`` may be sooner)."""
+        if not self.preemption.busy_percent or gpu not in self._gpus:
+            return False
+        busy = percent >= self.preemption.busy_percent
+        now_in, other = (self._busy_since, self._idle_since) if busy else (self._idle_since, self._busy_since)
+        other.pop(gpu, None)
+        if gpu in now_in:
+            return False
+        now_in[gpu] = now
+        return True
+
+    def _through_window(self, since: dict[int, int], gpus: tuple[int, ...]) -> int | None:
+        """When every one of ``gpus`` will have been so (busy, idle) for the window; None: one is not."""
+        if not gpus or any(g not in since for g in gpus):
+            return None
+        return max(since[g] for g in gpus) + self.preemption.elastic_window_us
+
+    def _shrink_idle(self, now: int) -> list[LedgerEffect]:
+        """Elastic allocations whose GPUs idled through the window give their extras back."""
+        effects: list[LedgerEffect] = []
+        if not self.preemption.busy_percent:
+            return effects
+        for a in list(self._allocs.values()):
+            if not a.extras or a.task_id in self._notices or a.task_id not in self.reachable:
+                continue
+            at = self._through_window(self._idle_since, a.gpus)
+            if at is not None and now >= max(at, a.changed_us + self.preemption.elastic_cooldown_us):
+                effects += self._notice(a, PreemptReason.ELASTIC, a.extras, False, "idle", now)
+        return effects
+
+    def _idle_times(self) -> list[int]:
+        """When elastic allocations above their minimum will have idled through the window."""
+        if not self.preemption.busy_percent:
+            return []
+        out = []
+        for a in self._allocs.values():
+            if a.extras and a.task_id not in self._notices and a.task_id in self.reachable:
+                at = self._through_window(self._idle_since, a.gpus)
+                if at is not None:
+                    out.append(max(at, a.changed_us + self.preemption.elastic_cooldown_us))
+        return [t for t in out if t > self._advanced_to]
+
+    def _grow(self, now: int) -> list[LedgerEffect]:
+        """Elastic allocations take whole GPUs that stayed free through the window (and, with
+        ``busy_percent``, while their own GPUs stayed busy)."""
+        effects: list[LedgerEffect] = []
+        for a in list(self._allocs.values()):
+            if not a.gpus_max or len(a.gpus) >= a.gpus_max or a.task_id in self._notices:
+                continue
+            if self.preemption.busy_percent and self._through_window(self._busy_since, a.gpus) is None:
+                self._grow_since.pop(a.task_id, None)
+                continue
+            free = [g.spec.index for g in self._gpus.values() if g.free == UNIT and g.spec.index not in self._draining]
+            free = free[: min(a.gpus_max - len(a.gpus), self._tenant_room(a.tenant) // UNIT)]
+            waits = any(-p >= a.priority for p, _, _ in self._waiters)
+            if not free or waits:
+                self._grow_since.pop(a.task_id, None)
+                continue
+            self._grow_since.setdefault(a.task_id, now)
+            if now < self._grow_at(a.task_id):
+                continue
+            del self._grow_since[a.task_id]
+            self._drop(a)
+            grown = replace(a, gpus=a.gpus + tuple(free), changed_us=now)
+            self._commit(grown)
+            effects.append(Grown(grown))
+        return effects
+
+    def _grow_at(self, task_id: str) -> int:
+        """When an elastic allocation that could grow since ``_grow_since`` may: the GPUs stayed free
+        through the window, and its cooldown since its last change is over."""
+        cfg = self.preemption
+        a = self._allocs[task_id]
+        at = max(self._grow_since[task_id] + cfg.elastic_window_us, a.changed_us + cfg.elastic_cooldown_us)
+        if cfg.busy_percent:
+            at = max(at, self._through_window(self._busy_since, a.gpus) or 0)
+        return at
+
+
+class _Made:
+    """Each allocation as a whole victim, made once: a plan looks at every allocation, and most did
+    not change since the last. Not state (its repr says nothing, a rollback leaves it): an entry is
+    used only for the very allocation object it was made from. An entry: (the allocation, it as a
+    whole victim or None when a request never takes it, it has extras, it only ever shrinks)."""
+
+    __slots__ = ("by_task",)
+
+    def __init__(self) -> None:
+        self.by_task: dict[str, tuple[Allocation, Candidate | None, bool, bool]] = {}
+
+    def __repr__(self) -> str:
+        return "<victims made once>"
+
+    def make(
+        self, a: Allocation, make: Callable[[Allocation, PreemptReason, tuple[int, ...]], Candidate]
+    ) -> tuple[Allocation, Candidate | None, bool, bool]:
+        victim = None if a.priority >= 100 or a.protected else make(a, PreemptReason.PRIORITY, a.gpus)
+        held = self.by_task[a.task_id] = (a, victim, bool(a.extras), a.on_preempt == Recovery.SHRINK)
+        return held
+
+    def forget(self, task_id: str) -> None:
+        self.by_task.pop(task_id, None)
+
+
+def _one_per_task(chosen: list[Candidate]) -> list[Candidate]:
+    """An allocation chosen for its extras and then whole is told once, whole."""
+    by_task: dict[str, Candidate] = {}
+    for c in chosen:
+        held = by_task.get(c.task_id)
+        if held is None or c.whole:
+            by_task[c.task_id] = c
+    return list(by_task.values())
