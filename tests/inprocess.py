@@ -232,7 +232,7 @@ class Node:
 
     def next_deadline(self) -> int | None:
         times = [t for t in (s.scheduler.next_deadline() for s in self.daemon.slots) if t is not None]
-        if (t := self.daemon.allocations.ledger.next_deadline()) is not None:
+        if (t := self.daemon.allocations.next_deadline()) is not None:
             times.append(t)
         if self.daemon.config.reap_interval_s:
             times.append(self.next_reap)

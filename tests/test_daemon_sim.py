@@ -1,8 +1,9 @@
 """The whole daemon, simulated on fake time: many seeds of ``tests/sim/daemon_sim.py``.
 
 Each seed builds a real daemon with its SQLite store, drives it in process with
-simulated clients, client and daemon crashes and store failures, and checks every
-invariant after every event (see the module's docstring). A failing seed is
+simulated clients, client and daemon crashes and store failures, allocations taken back
+(PREEMPT and its answers, drains, protection, crashes in the middle of a preemption), and
+checks every invariant after every event (see the module's docstring). A failing seed is
 reported with its last events and the one command that replays it exactly:
 
     .venv/bin/python -m tests.sim.daemon_sim --seed N
@@ -14,7 +15,8 @@ each). More seeds outside pytest:
 The per-scheduler simulation (tests/core/test_scheduler_sim.py) stays; this one
 covers the shell around the schedulers too. A test of eight seeds or more also fails
 when its seeds never exercised parking (asked, parked, refused, timed out, a grant
-that waited for it): a check that never runs proves nothing.
+that waited for it) or taking back (a notice, one carried out at its grace's end, a
+drain): a check that never runs proves nothing. ``--stats`` prints the thrash figures.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ except ImportError:  # run by the pytest script: tests/ is on the path, the repo
 SEEDS = int(os.environ.get("GPUD_SIM_SEEDS", "64"))  # x DEFAULT_STEPS (400) steps: about 15 s on a 2-core machine
 TESTS = 8
 CHUNK = max(1, -(-SEEDS // TESTS))  # seeds per test, so a failure names its range and the rest still run
-# What eight seeds always do (the default run: each test's seeds do each of these at least 9 times).
+# What eight seeds always do (the default run: each test's seeds do each parking one at least 9 times,
+# and give at least 10 notices, 4 carried out at the grace's end, 2 drains).
 EXERCISED_FROM = 8
 EXERCISED = (
     "parks asked",
@@ -40,6 +43,9 @@ EXERCISED = (
     "parks answered not ok (refused)",
     "parks timed out",
     "grants that waited for a park",
+    "preempt notices",
+    "preemptions carried out (grace over)",
+    "GPUs drained",
 )
 
 

@@ -87,7 +87,7 @@ def test_a_store_of_a_newer_gpud_is_refused_with_the_versions(tmp_path: Path) ->
     db.execute("UPDATE meta SET value = '7' WHERE key = 'schema'")
     db.close()
     with pytest.raises(
-        StoreError, match="newer gpud \\(store schema 7; this gpud reads schema 1 and older\\): upgrade"
+        StoreError, match="newer gpud \\(store schema 7; this gpud reads schema 2 and older\\): upgrade"
     ):
         Store(str(tmp_path))
 

@@ -15,6 +15,7 @@ is refused with ``store_failed``. Only then is anything answered.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 
 import structlog
@@ -27,12 +28,18 @@ from gpud.core.ledger import (
     Checkpoint,
     Expired,
     GpuSpec,
+    Grown,
     Insufficient,
     Ledger,
     LedgerEffect,
+    Noticed,
+    PreemptionConfig,
     Request,
     Served,
+    TakenBack,
+    TaskRecord,
     TenantQuota,
+    Withdrawn,
     to_fixed,
 )
 from gpud.host.config import Config
@@ -43,6 +50,7 @@ from gpud.serving.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
+STORE_RETRY_US = 100_000  # a change the store refused at a deadline is tried again this much later
 
 
 class Allocations(Part):
@@ -56,13 +64,22 @@ class Allocations(Part):
         config: Config,
         cpus: list[int],
         wake: Callable[[], None],
+        clock: Callable[[], int],
     ) -> None:
         super().__init__(pieces)
+        self.clock = clock
         self.faults = faults
         self.config = config
         self.wake = wake  # the allocator timer: a wait's deadline is new
-        self.effects.on(Served, self._served)
-        self.effects.on(Expired, self._expired)
+        for effect, carry in (
+            (Served, self._served),
+            (Expired, self._expired),
+            (Noticed, self._noticed),
+            (Withdrawn, self._withdrawn),
+            (TakenBack, self._taken_back),
+            (Grown, self._grown),
+        ):
+            self.effects.on(effect, carry)
         specs = [GpuSpec(s.gpu.index, s.gpu.uuid) for s in self.slots]
         self.ledger = Ledger(
             specs,
@@ -70,7 +87,13 @@ class Allocations(Part):
             tenants=_quotas(config),
             seed=int.from_bytes(os.urandom(4), "big"),
             max_waiters=config.max_allocation_waiters,
+            preemption=_preemption(config),
         )
+        self.holders: dict[str, ClientLink] = {}  # task id -> the connection told of its preemption
+        self.signalled: set[str] = set()  # task ids whose owner gpud itself told to leave (SIGTERM)
+        self.deaf: set[str] = set()  # waiting task ids whose client does not listen for PREEMPT
+        self._written: dict[str, TaskRecord] = {}  # what the store holds, to write only what changed
+        self._retry_at: int | None = None  # the store failed a tick's change: when to try it again
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
             self.uids: dict[str, int] = {}  # task id -> uid that allocated it
@@ -83,15 +106,24 @@ class Allocations(Part):
         """Put back what the store holds; a record that cannot be used any more is set aside
         (kept in the store's set_aside table with the reason), never a reason to stop."""
         loaded = self.store.load()
+        now = self.clock()
         for task_id, reason in loaded.unreadable:
             self._set_aside(task_id, f"unreadable record: {reason}")
-        for alloc, uid in loaded.records:
+        for rec, uid in loaded.records:
             try:
-                self.ledger.restore(alloc)
-            except ValueError as exc:  # the node shrank, or the record contradicts another
-                self._set_aside(alloc.task_id, str(exc))
+                self.ledger.restore_record(rec, now)
+            except (ValueError, Refused) as exc:  # the node shrank, or the record contradicts another
+                self._set_aside(rec.task_id, str(exc))
                 continue
-            self.uids[alloc.task_id] = uid
+            self.uids[rec.task_id] = uid
+            self._written[rec.task_id] = rec
+        for gpu in loaded.draining:
+            if gpu < len(self.slots):
+                self.ledger.drain(gpu, True, now)
+                self.slots[gpu].draining = True
+        self._written = self.ledger.records()  # as restored (times brought within reach)
+        for task_id in self.uids:
+            self._reach(task_id)
         if self.uids:
             log.info("allocations_restored", count=len(self.uids), path=self.store.path)
 
@@ -112,7 +144,9 @@ class Allocations(Part):
     def reconfigure(self, config: Config) -> None:
         """Tenants, their quotas and the waiter cap change live; allocations stay as they are."""
         self.config = config
-        self.ledger.reconfigure(tenants=_quotas(config), max_waiters=config.max_allocation_waiters)
+        self.ledger.reconfigure(
+            tenants=_quotas(config), max_waiters=config.max_allocation_waiters, preemption=_preemption(config)
+        )
 
     def session_allocation(self, conn: ClientLink, named: str | None, gpu: int) -> Allocation | None:
         """The allocation a new session of ``conn`` on ``gpu`` belongs to (see core.authority)."""
@@ -132,10 +166,16 @@ class Allocations(Part):
             p.Free: self.free,
             p.ListAllocations: self.list_allocations,
             p.ResetAllocations: self.reset,
+            p.Yield: self.yield_,
+            p.Protect: self.protect,
+            p.Drain: self.drain,
         }
 
     def allocate(self, conn: ClientLink, msg: p.Allocate, now: int) -> p.Allocated | None:
-        if self.ledger.get(msg.task_id) is not None or msg.task_id in self.waiters:
+        existing = self.ledger.get(msg.task_id)
+        suspended = self._suspended(msg.task_id) is not None
+        rejoin = msg.task_id not in self.waiters and any(r.task_id == msg.task_id for r in self.ledger.waiting())
+        if existing is not None or suspended or rejoin or msg.task_id in self.waiters:
             self._check_owner(conn, msg.task_id, "ask for")
         if msg.tenant is not None:
             self._check_member(conn, msg.tenant)
@@ -144,6 +184,13 @@ class Allocations(Part):
             priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else None
         self.access.check_priority(conn, priority, "allocation")
         priority = 50 if priority is None else priority
+        if msg.existing and existing is None and not suspended:
+            raise Refused(
+                p.ErrorCode.UNKNOWN_TASK,
+                f"task {msg.task_id!r} holds no allocation any more (freed or taken back while its client was away)",
+            )
+        if msg.protected and not self.access.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"a protected allocation needs admin rights (uid {conn.uid})")
         req = Request(
             task_id=msg.task_id,
             gpus=to_fixed(msg.gpus),
@@ -154,22 +201,36 @@ class Allocations(Part):
             priority=priority,
             owner_pid=msg.owner_pid,
             wait_us=msg.wait_ms * 1000,
+            on_preempt=msg.on_preempt,
+            gpus_max=msg.gpus_max or 0,
+            protected=msg.protected,
         )
-        existing = self.ledger.get(msg.task_id)
         cp = self.ledger.checkpoint()
         try:
-            alloc = self.ledger.allocate(req, now)
+            alloc = self.ledger.allocate(req, now, rejoin=rejoin)
         except Insufficient as short:
             self._counted("insufficient")
             raise Refused(p.ErrorCode.INSUFFICIENT, short.message) from None
+        if suspended:  # its holder again (a new connection after a restart): told when it resumes
+            self._hold(msg.task_id, conn, msg.notify)
+            held = self._suspended(msg.task_id)
+            assert held is not None  # the ledger answered None: it still waits
+            return self.answer(msg.id, held, 0.0, p.AllocState.SUSPENDED)
         if alloc is None:
             self.waiters[msg.task_id] = (conn, msg.id, now)
+            if not rejoin:  # it owns the task id now, not the uid of an earlier wait or run of it
+                self.uids[msg.task_id] = conn.uid
+            self.deaf.discard(msg.task_id)
+            if not msg.notify:
+                self.deaf.add(msg.task_id)
             self.wake()
             log.info("allocation_waiting", task_id=msg.task_id, wait_ms=msg.wait_ms, priority=priority)
+            self.advance(now)  # victims for it, if it may take some back
             return None
         if existing is None:
-            self._store(cp, f"task {msg.task_id!r} was not allocated", put=[(alloc, conn.uid)])
+            self._sync(cp, f"task {msg.task_id!r} was not allocated", {msg.task_id: conn.uid})
             self._made(alloc)
+        self._hold(msg.task_id, conn, msg.notify)
         self._counted("granted" if existing is None else "repeated")
         return self.answer(msg.id, alloc, 0.0)
 
@@ -183,23 +244,27 @@ class Allocations(Part):
         return p.Ok(id=msg.id)
 
     def _free(self, conn: ClientLink, task_id: str, now: int) -> None:
-        alloc = self.ledger.get(task_id)
-        if alloc is None and task_id not in self.waiters:
+        alloc = self.ledger.get(task_id) or self._suspended(task_id)
+        waits = task_id in self.waiters or any(r.task_id == task_id for r in self.ledger.waiting())
+        if alloc is None and not waits:
             raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
         if alloc is None:
-            waiter = self.waiters[task_id][0]
-            if waiter is not conn and not self.access.is_admin(conn):
+            waiter = self.waiters.get(task_id)
+            if waiter is None:  # a wait restored from the store: its uid's to withdraw
+                self._check_owner(conn, task_id, "withdraw the wait of")
+            elif waiter[0] is not conn and not self.access.is_admin(conn):
                 raise Refused(p.ErrorCode.PERMISSION_DENIED, f"task {task_id!r} waits for another client")
             self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "the wait was withdrawn")
             self._counted("withdrawn")
-            self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
+            self._withdraw_wait(task_id, now)
             return
         self._check_may_free(conn, alloc)
         cp = self.ledger.checkpoint()
+        noticed = self.ledger.notice_of(task_id)
         _, effects = self.ledger.release(task_id, now)
-        self._store(cp, f"task {task_id!r} was not freed", delete=[task_id], effects=effects)
-        self.uids.pop(task_id, None)
-        log.info("allocation_freed", task_id=task_id, by_pid=conn.pid)
+        self._sync(cp, f"task {task_id!r} was not freed", effects=effects)
+        self._forget(task_id)
+        log.info("allocation_freed", task_id=task_id, by_pid=conn.pid, preempted=noticed is not None)
         self.effects.carry_out(effects, now)
 
     def list_allocations(self, conn: ClientLink, msg: p.ListAllocations, now: int) -> p.AllocationsReply:
@@ -211,12 +276,12 @@ class Allocations(Part):
             raise Refused(
                 p.ErrorCode.PERMISSION_DENIED, f"releasing every allocation needs admin rights (uid {conn.uid})"
             )
-        released = self.ledger.allocations()
+        released = self.ledger.allocations() + self.ledger.suspended()
         cp = self.ledger.checkpoint()
         effects = [e for alloc in released for e in self.ledger.release(alloc.task_id, now)[1]]
-        self._store(cp, "no allocation was released", clear=True, effects=effects)
+        self._sync(cp, "no allocation was released", effects=effects)
         for alloc in released:
-            self.uids.pop(alloc.task_id, None)
+            self._forget(alloc.task_id)
         log.warning("allocations_reset", by_pid=conn.pid, count=len(released))
         self.effects.carry_out(effects, now)
         return p.Ok(id=msg.id)
@@ -225,37 +290,222 @@ class Allocations(Part):
         """Waits die with their connection; allocations outlive it (they are durable)."""
         for task_id in [t for t, (c, _, _) in self.waiters.items() if c is conn]:
             del self.waiters[task_id]
-            self.ledger.release(task_id, now)  # a withdrawn wait frees nothing and serves no one
+            self._withdraw_wait(task_id, now)
+        for task_id in [t for t, c in self.holders.items() if c is conn]:
+            del self.holders[task_id]
+            self._reach(task_id)
+
+    def _withdraw_wait(self, task_id: str, now: int) -> None:
+        """A wait given up: it frees nothing, and withdraws the notices it caused."""
+        cp = self.ledger.checkpoint()
+        _, effects = self.ledger.release(task_id, now)
+        try:
+            self._sync(cp, f"the wait of task {task_id!r} was not withdrawn")
+        except Refused:  # withdrawn anyway (its client is gone): its victims are told; stored when tried again
+            _, effects = self.ledger.release(task_id, now)
+            self._retry_at = now + STORE_RETRY_US
+            self.wake()
+        self.effects.carry_out(effects, now)
+
+    # --- taking allocations back ------------------------------------------------
+
+    def yield_(self, conn: ClientLink, msg: p.Yield, now: int) -> p.Ok:
+        alloc = self.ledger.get(msg.task_id)
+        if alloc is None:
+            raise Refused(p.ErrorCode.UNKNOWN_TASK, f"no allocation for task {msg.task_id!r} (see gpuctl allocs)")
+        self._check_may_free(conn, alloc)
+        cp = self.ledger.checkpoint()
+        effects = self.ledger.yield_(msg.task_id, now)
+        self._sync(cp, f"task {msg.task_id!r} did not yield", effects=effects)
+        self.effects.carry_out(effects, now)
+        return p.Ok(id=msg.id)
+
+    def protect(self, conn: ClientLink, msg: p.Protect, now: int) -> p.Ok:
+        if not self.access.is_admin(conn):
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED, f"protecting an allocation needs admin rights (uid {conn.uid})"
+            )
+        cp = self.ledger.checkpoint()
+        self.ledger.protect(msg.task_id, msg.protected)
+        self._sync(cp, f"task {msg.task_id!r} was not changed")
+        log.info("allocation_protected", task_id=msg.task_id, protected=msg.protected, by_pid=conn.pid)
+        self.advance(now)  # unprotected, it may be what a waiter takes back
+        return p.Ok(id=msg.id)
+
+    def drain(self, conn: ClientLink, msg: p.Drain, now: int) -> p.Ok:
+        if not self.access.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"draining a GPU needs admin rights (uid {conn.uid})")
+        gpu = self.refs.index(msg.gpu)
+        cp = self.ledger.checkpoint()
+        effects = self.ledger.drain(gpu, msg.on, now)
+        self._sync(cp, f"GPU {gpu} was not {'drained' if msg.on else 'put back'}", effects=effects, draining=True)
+        self.slots[gpu].draining = msg.on
+        log.warning("gpu_draining" if msg.on else "gpu_undrained", gpu=gpu, by_pid=conn.pid)
+        self.effects.carry_out(effects, now)
+        self.advance(now)  # the drain's notices
+        return p.Ok(id=msg.id)
+
+    def _suspended(self, task_id: str) -> Allocation | None:
+        return next((a for a in self.ledger.suspended() if a.task_id == task_id), None)
+
+    def _hold(self, task_id: str, conn: ClientLink, notify: bool = True) -> None:
+        """``conn`` is told of this task's preemption from now on (if it listens: ``notify``)."""
+        if notify:
+            self.holders[task_id] = conn
+        elif self.holders.get(task_id) is conn:
+            del self.holders[task_id]
+        self._reach(task_id)
+
+    def _reach(self, task_id: str) -> None:
+        """Whether someone can be told about ``task_id``: the core's ``reachable`` fact."""
+        alloc = self.ledger.get(task_id) or self._suspended(task_id)
+        told = task_id in self.holders or (alloc is not None and _signalable(alloc.owner_pid))
+        if told and task_id not in self.ledger.reachable:
+            self.wake()  # someone to tell now: a drain's (or a waiter's) notice may be due at once
+        if told:
+            self.ledger.reachable.add(task_id)
+        else:
+            self.ledger.reachable.discard(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        self.uids.pop(task_id, None)
+        self.holders.pop(task_id, None)
+        self.signalled.discard(task_id)
+        self.ledger.reachable.discard(task_id)
+
+    def _noticed(self, e: Noticed, now: int) -> None:
+        n, a = e.notice, e.allocation
+        grace_s = (n.deadline - now) / 1e6
+        log.warning(
+            "allocation_preempting",
+            task_id=a.task_id,
+            reason=n.reason,
+            by=n.by,
+            gpus=list(n.gpus),
+            whole=n.whole,
+            recovery=a.on_preempt,
+            grace_s=round(grace_s, 3),
+            priority=a.priority,
+        )
+        self.metrics.node.preemptions.labels(n.reason, self.config.preemption_strategy).inc()
+        conn = self.holders.get(a.task_id)
+        if conn is not None:
+            recovery = a.on_preempt
+            if n.whole and recovery == p.Recovery.SHRINK:  # a drain takes it whole: it ends
+                recovery = p.Recovery.TERMINATE
+            push = p.Preempt(
+                task_id=a.task_id,
+                reason=n.reason,
+                recovery=recovery,
+                gpus=list(n.gpus),
+                whole=n.whole,
+                grace_s=round(grace_s, 3),
+                by=n.by,
+            )
+            self.links.send(conn, push)
+        elif n.whole and a.owner_pid is not None and _signal(a.owner_pid, signal.SIGTERM):
+            self.signalled.add(a.task_id)  # no one holds it: its owner is told as Kubernetes tells a pod
+
+    def _withdrawn(self, e: Withdrawn, now: int) -> None:
+        log.info("allocation_preempt_withdrawn", task_id=e.allocation.task_id, by=e.notice.by)
+        if (conn := self.holders.get(e.allocation.task_id)) is not None:
+            self.links.send(conn, p.PreemptWithdrawn(task_id=e.allocation.task_id))
+
+    def _taken_back(self, e: TakenBack, now: int) -> None:
+        a, n = e.before, e.notice
+        if e.overran:
+            self.metrics.node.preemption_overruns.labels(n.reason).inc()
+        log.warning(
+            "allocation_taken_back",
+            task_id=a.task_id,
+            reason=n.reason,
+            by=n.by,
+            overran=e.overran,
+            suspended=e.suspended,
+            gpus=list(n.gpus),
+            held_s=round((now - n.issued) / 1e6, 3),
+        )
+        conn = self.holders.get(a.task_id)
+        if e.after is not None:
+            if conn is not None:
+                self.links.send(conn, p.AllocChanged(change="shrunk", allocation=self.answer(0, e.after, 0.0)))
+            return
+        state = p.AllocState.SUSPENDED if e.suspended else p.AllocState.RUNNING
+        if conn is not None:
+            self.links.send(conn, p.AllocRevoked(task_id=a.task_id, reason=n.reason, state=state, gone=not e.suspended))
+        if not e.suspended:
+            if a.task_id in self.signalled and a.owner_pid is not None:
+                _signal(a.owner_pid, signal.SIGKILL)  # its grace is over, as Kubernetes ends a pod's
+            self._forget(a.task_id)
+
+    def _grown(self, e: Grown, now: int) -> None:
+        a = e.allocation
+        log.info("allocation_grown", task_id=a.task_id, gpus=list(a.gpus))
+        if (conn := self.holders.get(a.task_id)) is not None:
+            self.links.send(conn, p.AllocChanged(change="grown", allocation=self.answer(0, a, 0.0)))
 
     # --- timers -------------------------------------------------------------
 
     def advance(self, now: int) -> None:
-        self.effects.carry_out(self.ledger.advance(now), now)
+        """The ledger's deadlines; its changes stored before they are carried out (when the store
+        cannot, nothing changes and the next tick tries again)."""
+        cp = self.ledger.checkpoint()
+        effects = self.ledger.advance(now)
+        if not effects and self._retry_at is None:
+            return
+        try:  # (with no effects: a change the store refused before, tried again)
+            self._sync(cp, "the allocations' deadlines were not carried out", effects=effects)
+        except Refused:
+            self._retry_at = now + STORE_RETRY_US  # not at once: the deadline stays due, the timer must not spin
+            return
+        self._retry_at = None
+        self.effects.carry_out(effects, now)
+
+    def observe_utilization(self, gpu: int, ratio: float, now: int) -> None:
+        """A GPU's utilisation (0..1) as the monitor read it: elastic allocations' pacing."""
+        if self.ledger.observe(gpu, ratio * 100, now):
+            self.wake()  # the allocations' timer: an elastic allocation's window starts now
+
+    def next_deadline(self) -> int | None:
+        """The ledger's next deadline, or after a failed store the time to try again."""
+        due = self.ledger.next_deadline()
+        if self._retry_at is None:
+            return due
+        return self._retry_at if due is None else max(due, self._retry_at)
 
     def reap(self, now: int) -> None:
         """Reclaim allocations whose owner process is gone; one record's fault skips only it
         (a reclaim the store cannot record is tried again at the next reap)."""
-        for alloc in self.ledger.allocations():
+        for alloc in self.ledger.allocations() + self.ledger.suspended():
             try:
                 if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
                     cp = self.ledger.checkpoint()
                     _, effects = self.ledger.release(alloc.task_id, now)
-                    self._store(
-                        cp, f"task {alloc.task_id!r} was not reclaimed", delete=[alloc.task_id], effects=effects
-                    )
-                    self.uids.pop(alloc.task_id, None)
+                    self._sync(cp, f"task {alloc.task_id!r} was not reclaimed", effects=effects)
+                    self._forget(alloc.task_id)
                     log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
                     self.effects.carry_out(effects, now)
             except Refused:
-                pass  # logged by _store
+                pass  # logged by _sync
             except Exception as exc:
                 self.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
 
     def _served(self, e: Served, now: int) -> None:
-        """A waiter the stored change served."""
-        conn, rid, since = self.waiters.pop(e.allocation.task_id)
+        """A waiter the stored change served (a suspended allocation: its holder is told)."""
+        task_id = e.allocation.task_id
         self._made(e.allocation)
+        if e.resumed:
+            log.info("allocation_resumed", task_id=task_id, gpus=list(e.allocation.gpus))
+            if (holder := self.holders.get(task_id)) is not None:
+                self.links.send(holder, p.AllocChanged(change="resumed", allocation=self.answer(0, e.allocation, 0.0)))
+            return
         self._counted("granted")
+        waiter = self.waiters.pop(task_id, None)
+        if waiter is None:  # a wait restored from the store: its client asks again and is answered
+            return
+        conn, rid, since = waiter
+        self._hold(task_id, conn, task_id not in self.deaf)
+        self.deaf.discard(task_id)
         self.links.send(conn, self.answer(rid, e.allocation, (now - since) / 1000))
 
     def _expired(self, e: Expired, now: int) -> None:
@@ -264,7 +514,17 @@ class Allocations(Part):
 
     # --- answers ------------------------------------------------------------
 
-    def answer(self, rid: int, alloc: Allocation, waited_ms: float) -> p.Allocated:
+    def answer(self, rid: int, alloc: Allocation, waited_ms: float, state: p.AllocState | None = None) -> p.Allocated:
+        notice = self.ledger.notice_of(alloc.task_id)
+        why = self.ledger.not_preemptible(alloc)
+        if state is None:
+            state = p.AllocState.RUNNING if notice is None else p.AllocState.PREEMPTING
+        if notice is not None:
+            why = f"{notice.reason} for {notice.by}" + (
+                "" if notice.whole else f": gives back GPUs {list(notice.gpus)}"
+            )
+        elif state == p.AllocState.SUSPENDED:
+            why = "suspended: waits for its GPUs " + ",".join(map(str, alloc.gpus))
         return p.Allocated(
             id=rid,
             task_id=alloc.task_id,
@@ -277,6 +537,17 @@ class Allocations(Part):
             priority=alloc.priority,
             owner_pid=alloc.owner_pid,
             waited_ms=round(waited_ms, 3),
+            on_preempt=alloc.on_preempt,
+            gpus_min=alloc.gpus_min or None,
+            gpus_max=alloc.gpus_max or None,
+            protected=alloc.protected,
+            state=state,
+            preemptible=not self.ledger.not_preemptible(alloc),
+            why=why,
+            deadline_s=None if notice is None else round(max(0, notice.deadline - self.clock()) / 1e6, 3),
+            resume=alloc.resume,
+            preemptions=alloc.preemptions,
+            preemption_grace_s=self.config.preemption_grace_s,
         )
 
     def listing(self, rid: int) -> p.AllocationsReply:
@@ -297,10 +568,23 @@ class Allocations(Part):
             name: p.TenantSummary(quota=t.gpus, borrow=t.borrow, used=self.ledger.tenant_usage(name) / UNIT)
             for name, t in self.config.tenants.items()
         }
+        now = self.clock()
+        suspended = [self.answer(0, a, 0.0, p.AllocState.SUSPENDED) for a in self.ledger.suspended()]
         return p.AllocationsReply(
             id=rid,
-            allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()],
+            allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()] + suspended,
             waiting=[r.task_id for r in self.ledger.waiting()],
+            waiters=[
+                p.AllocWaiter(
+                    task_id=r.task_id,
+                    gpus=r.gpus / UNIT,
+                    priority=r.priority,
+                    waited_s=round((now - since) / 1e6, 3),
+                    why=why,
+                )
+                for r, since, why in self.ledger.waiter_info()
+            ],
+            draining=sorted(self.ledger.draining()),
             gpus=gpus,
             cpus_total=self.ledger.cpu_count,
             cpus_free=self.ledger.cpus_free(),
@@ -309,31 +593,39 @@ class Allocations(Part):
 
     # --- helpers ------------------------------------------------------------
 
-    def _store(
+    def _sync(
         self,
         cp: Checkpoint,
         refusal: str,
+        uids: dict[str, int] | None = None,
         *,
-        put: list[tuple[Allocation, int]] | None = None,
-        delete: list[str] | None = None,
-        clear: bool = False,
         effects: list[LedgerEffect] | None = None,
+        draining: bool = False,
     ) -> None:
-        """Record one ledger change, the allocations it served included; when the store
-        cannot, roll the ledger back to ``cp`` and refuse with ``store_failed``."""
-        served = [
-            (e.allocation, self.waiters[e.allocation.task_id][0].uid) for e in effects or [] if isinstance(e, Served)
-        ]
-        rows = (put or []) + served
+        """Store what one ledger change changed (every task whose record differs, the allocations
+        it served included); when the store cannot, roll the ledger back to ``cp`` and refuse
+        with ``store_failed``."""
+        for e in effects or []:
+            if isinstance(e, Served) and (w := self.waiters.get(e.allocation.task_id)) is not None:
+                self.uids.setdefault(e.allocation.task_id, w[0].uid)
+        for task_id, (conn, _, _) in self.waiters.items():
+            self.uids.setdefault(task_id, conn.uid)
+        uids = {**self.uids, **(uids or {})}
+        records = self.ledger.records(self._written)
+        written = self._written
+        put = [(r, uids.get(t, 0)) for t, r in records.items() if (old := written.get(t)) is not r and old != r]
+        delete = [t for t in self._written if t not in records]
+        if not put and not delete and not draining:
+            return
         try:
-            self.store.write(put=rows, delete=delete or [], clear=clear)
+            self.store.write(put=put, delete=delete, draining=self.ledger.draining() if draining else None)
         except StoreError as exc:
             self.ledger.rollback(cp)
             self.metrics.node.store_failures.inc()
             self.faults.often("store_failed", refused=refusal, error=str(exc))
             raise Refused(p.ErrorCode.STORE_FAILED, f"{refusal}: the store could not record it ({exc})") from None
-        for alloc, uid in rows:
-            self.uids[alloc.task_id] = uid
+        self._written = records
+        self.uids = {t: u for t, u in uids.items() if t in records or t in self.waiters}
 
     def _made(self, alloc: Allocation) -> None:
         log.info(
@@ -383,6 +675,38 @@ class Allocations(Part):
             conn.gid,
             admin=self.access.is_admin(conn),
         )
+
+
+def _preemption(config: Config) -> PreemptionConfig:
+    return PreemptionConfig(
+        grace_us=round(config.preemption_grace_s * 1e6),
+        min_runtime_us=round(config.preemption_min_runtime_s * 1e6),
+        strategy=config.preemption_strategy,
+        cooldown_us=round(config.preemption_cooldown_s * 1e6),
+        elastic_cooldown_us=round(config.elastic_cooldown_s * 1e6),
+        elastic_window_us=round(config.elastic_window_s * 1e6),
+        busy_percent=config.elastic_busy_percent,
+        enabled=config.preemption,
+    )
+
+
+def _signalable(pid: int | None) -> bool:
+    """Whether gpud may signal ``pid`` (alive, and ours to signal)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        return False
+    return True
 
 
 def _quotas(config: Config) -> dict[str, TenantQuota]:

@@ -118,6 +118,11 @@ class Leases(Part):
     def acquire(self, conn: ClientLink, msg: p.Acquire, now: int) -> None:
         """Answered by LEASE_RESULT, now or later."""
         slot = self.refs.slot(msg.gpu)
+        if slot.draining:
+            raise Refused(
+                p.ErrorCode.INSUFFICIENT,
+                f"GPU {slot.gpu.index} is being drained: no new lease on it (gpuctl undrain puts it back)",
+            )
         self.links.check_room(conn)
         self.access.check_priority(conn, msg.priority, "lease")
         key = (

@@ -114,6 +114,11 @@ class Locks(Part):
         # A fractional allocation of the session's task (named, or matched by process or uid)
         # caps its limits: the caps are ceilings the client cannot lift later.
         alloc = self.allocation_of(conn, msg.task_id or conn.labels.get("task_id"), slot.gpu.index)
+        if slot.draining and alloc is None:
+            raise Refused(
+                p.ErrorCode.INSUFFICIENT,
+                f"GPU {slot.gpu.index} is being drained: no new session on it (gpuctl undrain puts it back)",
+            )
         core_ceiling, mem_ceiling = fraction_ceilings(alloc, slot.gpu.index, slot.gpu.memory_total_bytes)
         sid = next(self.ids)
         effects = slot.scheduler.attach(

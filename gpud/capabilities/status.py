@@ -13,8 +13,16 @@ from gpud_client import protocol as p
 class Status:
     """STATUS and LIST_CLIENTS; every account is brought up to now first."""
 
-    def __init__(self, slots: list[GpuSlot], links: Links, started_at: int, settle: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        slots: list[GpuSlot],
+        links: Links,
+        started_at: int,
+        settle: Callable[[int], None],
+        allocated: Callable[[int], bool] = lambda gpu: False,
+    ) -> None:
         self.slots = slots
+        self.allocated = allocated  # whether any allocation is on a GPU (a drain is done when none is)
         self.links = links
         self.started_at = started_at
         self.settle = settle
@@ -24,7 +32,7 @@ class Status:
 
     def status(self, conn: ClientLink, msg: p.Status, now: int) -> p.StatusReply:
         self.settle(now)
-        return status_reply(self.slots, self.links, self.started_at, msg.id, now)
+        return status_reply(self.slots, self.links, self.started_at, msg.id, now, self.allocated)
 
     def clients(self, conn: ClientLink, msg: p.ListClients, now: int) -> p.ClientsReply:
         self.settle(now)
@@ -35,7 +43,14 @@ def _ms(us: int) -> float:
     return round(us / 1000, 3)
 
 
-def status_reply(slots: list[GpuSlot], links: Links, started_at: int, rid: int, now: int) -> p.StatusReply:
+def status_reply(
+    slots: list[GpuSlot],
+    links: Links,
+    started_at: int,
+    rid: int,
+    now: int,
+    allocated: Callable[[int], bool] = lambda gpu: False,
+) -> p.StatusReply:
     gpus = []
     owners = links.owners
     clients_on: dict[int, int] = {}  # gpu -> clients with a session or lease on it: one pass over the clients
@@ -89,6 +104,8 @@ def status_reply(slots: list[GpuSlot], links: Links, started_at: int, rid: int, 
                 memory_capacity_bytes=view.memory_capacity_bytes,
                 memory_in_use_bytes=view.memory_in_use_bytes,
                 healthy=slot.healthy,
+                draining=slot.draining,
+                drained=slot.draining and not allocated(slot.gpu.index) and not view.holders,
                 holders=holders,
                 queue=queue,
                 clients=clients_on.get(slot.gpu.index, 0),

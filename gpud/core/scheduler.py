@@ -510,6 +510,14 @@ class GpuScheduler:
             parks=s.parks,
         )
 
+    def parked_bytes(self) -> int:
+        """GPU memory of the parked sessions' programs (what they last reported), now in host memory."""
+        return sum(
+            s.mem_used or s.mem_estimate or 0
+            for s in self._parkable.values()
+            if not s.resident and s.state != "holding"
+        )
+
     def view(self, now: int) -> SchedulerView:
         """As of the last call; ``advance(now)`` first for figures up to now."""
         return SchedulerView(

@@ -26,6 +26,7 @@ from gpud_client.protocol import (
     HoldMaxMs,
     Millis,
     Mode,
+    PreemptStrategy,
     Priority,
     QueueLimit,
     Seconds,
@@ -91,6 +92,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # process that held one when gpud died learns it (its connection closed) first.
     restart_grace_s: Annotated[float, Meta(ge=0, le=60)] = 1.0
     tenants: dict[str, TenantConfig] = {}
+    # Taking allocations back (docs/preemption.md)
+    preemption: bool = True  # False: waiting requests never take anything back (drain still does)
+    preemption_strategy: PreemptStrategy = PreemptStrategy.LOWEST_PRIORITY
+    preemption_grace_s: Annotated[float, Meta(ge=0, le=86400)] = 30.0
+    preemption_min_runtime_s: Annotated[float, Meta(ge=0, le=7 * 86400)] = 300.0
+    # A victim whose notice was withdrawn (its waiter gave up) is not chosen again for this long.
+    preemption_cooldown_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
+    elastic_cooldown_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0  # at most one growth per allocation this often
+    elastic_window_s: Annotated[float, Meta(ge=0, le=86400)] = 30.0  # GPUs free this long before one grows
+    # Grow only while an elastic allocation's GPUs are busy (NVML utilisation at or above this through
+    # the window); give its extras back when they idle below it through the window. 0: off.
+    elastic_busy_percent: Annotated[int, Meta(ge=0, le=100)] = 0
     # Operations
     monitor_interval_s: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0  # NVML samples and gauges
     admin_group: str = "gpud-admin"  # members may change limits, modes, policies; "" for none

@@ -158,6 +158,25 @@ class NodeMetrics:
         self.allocation_requests = Counter(
             "gpud_allocation_requests_total", "Allocation requests by result.", ["result"], registry=registry
         )
+        self.preemptions = Counter(
+            "gpud_preemptions_total",
+            "Allocations told to leave, by reason and the node's strategy.",
+            ["reason", "strategy"],
+            registry=registry,
+        )
+        self.preemption_overruns = Counter(
+            "gpud_preemption_grace_overruns_total",
+            "Preempted allocations that had not left when their grace ended, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.suspended = Gauge(
+            "gpud_allocations_suspended", "Allocations suspended, waiting for their GPUs.", registry=registry
+        )
+        self.parked = Gauge(
+            "gpud_parked_bytes", "GPU memory of paused programs parked in host memory.", g, registry=registry
+        )
+        self.draining = Gauge("gpud_gpu_draining", "1 while an operator drains the GPU.", g, registry=registry)
         self.clients = Gauge("gpud_clients", "Connected clients.", registry=registry)
         self.messages = CounterCells("gpud_messages_total", "Messages received, by type.", ["type"], registry)
         self.protocol_errors = Counter(

@@ -35,8 +35,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from gpud.core.ledger import UNIT, Allocation
-from gpud_client.protocol import Pid, Priority, TaskId
+from gpud.core.ledger import UNIT, Allocation, Notice, Request, TaskRecord
+from gpud_client.protocol import Pid, PreemptReason, Priority, Recovery, Strategy, TaskId
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS allocations (
@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS set_aside (
     at      REAL NOT NULL
 );
 """
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: notices, suspended and waiting tasks, preemption history, drained GPUs (reads 1)
 BUSY_TIMEOUT_MS = 5  # the longest a write waits for another process's lock while serving
 OPEN_BUSY_TIMEOUT_MS = 2000  # at start-up, before anything is served
 _MOVE_AWAY = "move it away (gpud then starts with no allocations) or restore it from a backup"
@@ -64,22 +64,68 @@ class StoreError(Exception):
 _Index = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 
 
+_Gpus = Annotated[list[_Index], msgspec.Meta(max_length=1024)]
+_Tenant = Annotated[str, msgspec.Meta(max_length=128)] | None
+
+
+class _Notice(msgspec.Struct, frozen=True):
+    reason: PreemptReason
+    gpus: _Gpus
+    whole: bool
+    issued: int
+    deadline: int
+    by: Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class _Wait(msgspec.Struct, frozen=True):
+    """A task that waits durably: suspended (``suspended`` holds its allocation), or with victims."""
+
+    gpus: Annotated[int, msgspec.Meta(ge=0, le=1024 * UNIT)]
+    cpus: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
+    prefer: _Gpus
+    strategy: Strategy
+    tenant: _Tenant
+    priority: Priority
+    owner_pid: Pid | None
+    wait_us: int
+    on_preempt: Recovery
+    gpus_max: Annotated[int, msgspec.Meta(ge=0, le=1024)]
+    protected: bool
+    pinned: _Gpus
+    deadline: int
+    since: int
+    victims: Annotated[list[TaskId], msgspec.Meta(max_length=1024)]
+
+
 class _Record(msgspec.Struct, frozen=True):
     task_id: TaskId
-    gpus: Annotated[list[_Index], msgspec.Meta(max_length=1024)]
+    gpus: _Gpus
     share: Annotated[int, msgspec.Meta(ge=0, le=UNIT)]
     cpus: Annotated[list[_Index], msgspec.Meta(max_length=1_000_000)]
-    tenant: Annotated[str, msgspec.Meta(max_length=128)] | None
+    tenant: _Tenant
     priority: Priority
     owner_pid: Pid | None
     created_us: int
     uid: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+    # schema 2 (a schema 1 record reads with these defaults)
+    held: bool = True  # False: no allocation now (the fields above are a suspended one's, or unused)
+    on_preempt: Recovery = Recovery.TERMINATE
+    gpus_min: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    gpus_max: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    protected: bool = False
+    preemptions: Annotated[int, msgspec.Meta(ge=0)] = 0
+    resume: bool = False
+    changed_us: int = 0
+    notice: _Notice | None = None
+    wait: _Wait | None = None
+    suspended: bool = False
 
 
 @dataclass
 class Loaded:
-    records: list[tuple[Allocation, int]] = field(default_factory=list)  # (allocation, uid)
+    records: list[tuple[TaskRecord, int]] = field(default_factory=list)  # (task, uid)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (task id, why)
+    draining: list[int] = field(default_factory=list)  # GPUs an operator drains
 
 
 class Store:
@@ -133,7 +179,7 @@ class Store:
         if verdict != "ok":
             raise StoreError(f"{self.path} is damaged (SQLite quick_check: {verdict}); {_MOVE_AWAY}")
         db.executescript(_SCHEMA)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
     def _explain_open(self, exc: sqlite3.Error) -> str:
@@ -147,16 +193,24 @@ class Store:
         return f"cannot use {self.path} (SQLite: {text})"
 
     def write(
-        self, put: Iterable[tuple[Allocation, int]] = (), delete: Iterable[str] = (), *, clear: bool = False
+        self,
+        put: Iterable[tuple[TaskRecord, int]] = (),
+        delete: Iterable[str] = (),
+        *,
+        clear: bool = False,
+        draining: Iterable[int] | None = None,
     ) -> None:
         """One change, in one transaction: all of it is stored, or none (``StoreError``)."""
-        rows = [(a.task_id, self._enc.encode(self._record(a, uid))) for a, uid in put]
+        rows = [(r.task_id, self._enc.encode(self._record(r, uid))) for r, uid in put]
+        drained = None if draining is None else ",".join(map(str, sorted(draining)))
 
         def change(db: sqlite3.Connection) -> None:
             if clear:
                 db.execute("DELETE FROM allocations")
             db.executemany("DELETE FROM allocations WHERE task_id = ?", [(t,) for t in delete])
             db.executemany("INSERT OR REPLACE INTO allocations VALUES (?, ?)", rows)
+            if drained is not None:
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('draining', ?)", (drained,))
 
         self._transaction(change)
 
@@ -175,17 +229,105 @@ class Store:
             raise StoreError(f"{exc} (store {self.path})") from None
 
     @staticmethod
-    def _record(alloc: Allocation, uid: int) -> _Record:
+    def _record(rec: TaskRecord | Allocation, uid: int) -> _Record:
+        if isinstance(rec, Allocation):
+            rec = TaskRecord(rec.task_id, allocation=rec)
+        a = rec.allocation or rec.suspended
+        n, w = rec.notice, rec.waiting
         return _Record(
-            alloc.task_id,
-            list(alloc.gpus),
-            alloc.share,
-            list(alloc.cpus),
-            alloc.tenant,
-            alloc.priority,
-            alloc.owner_pid,
-            alloc.created_us,
+            rec.task_id,
+            list(a.gpus) if a else [],
+            a.share if a else 0,
+            list(a.cpus) if a else [],
+            a.tenant if a else None,
+            a.priority if a else 0,
+            a.owner_pid if a else None,
+            a.created_us if a else 0,
             uid,
+            held=rec.allocation is not None,
+            on_preempt=a.on_preempt if a else Recovery.TERMINATE,
+            gpus_min=a.gpus_min if a else 0,
+            gpus_max=a.gpus_max if a else 0,
+            protected=a.protected if a else False,
+            preemptions=rec.allocation.preemptions if rec.allocation else rec.preemptions,
+            resume=rec.allocation.resume if rec.allocation else rec.resume,
+            changed_us=a.changed_us if a else 0,
+            notice=None if n is None else _Notice(n.reason, list(n.gpus), n.whole, n.issued, n.deadline, n.by),
+            wait=None
+            if w is None
+            else _Wait(
+                w.gpus,
+                w.cpus,
+                list(w.prefer),
+                w.strategy,
+                w.tenant,
+                w.priority,
+                w.owner_pid,
+                w.wait_us,
+                w.on_preempt,
+                w.gpus_max,
+                w.protected,
+                list(w.pinned),
+                rec.wait_deadline,
+                rec.wait_since,
+                list(rec.victims),
+            ),
+            suspended=rec.suspended is not None,
+        )
+
+    @staticmethod
+    def _task(r: _Record) -> TaskRecord:
+        alloc = Allocation(
+            r.task_id,
+            tuple(r.gpus),
+            r.share,
+            tuple(r.cpus),
+            r.tenant,
+            r.priority,
+            r.owner_pid,
+            r.created_us,
+            on_preempt=r.on_preempt,
+            gpus_min=r.gpus_min,
+            gpus_max=r.gpus_max,
+            protected=r.protected,
+            preemptions=r.preemptions,
+            resume=r.resume,
+            changed_us=r.changed_us,
+        )
+        n, w = r.notice, r.wait
+        notice = None if n is None else Notice(r.task_id, n.reason, tuple(n.gpus), n.whole, n.issued, n.deadline, n.by)
+        if w is None:
+            return TaskRecord(
+                r.task_id,
+                allocation=alloc if r.held else None,
+                notice=notice,
+                preemptions=r.preemptions,
+                resume=r.resume,
+            )
+        req = Request(
+            r.task_id,
+            w.gpus,
+            w.cpus,
+            tuple(w.prefer),
+            w.strategy,
+            w.tenant,
+            w.priority,
+            w.owner_pid,
+            w.wait_us,
+            w.on_preempt,
+            w.gpus_max,
+            w.protected,
+            tuple(w.pinned),
+        )
+        return TaskRecord(
+            r.task_id,
+            waiting=req,
+            wait_deadline=w.deadline,
+            wait_since=w.since,
+            victims=tuple(w.victims),
+            suspended=alloc if r.suspended else None,
+            preemptions=r.preemptions,
+            resume=r.resume,
         )
 
     def load(self) -> Loaded:
@@ -202,10 +344,10 @@ class Store:
             except (msgspec.MsgspecError, ValueError, TypeError) as exc:
                 out.unreadable.append((str(task_id), str(exc)))
                 continue
-            alloc = Allocation(
-                r.task_id, tuple(r.gpus), r.share, tuple(r.cpus), r.tenant, r.priority, r.owner_pid, r.created_us
-            )
-            out.records.append((alloc, r.uid))
+            out.records.append((self._task(r), r.uid))
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'draining'").fetchone()
+        if row is not None and row[0]:
+            out.draining = [int(g) for g in str(row[0]).split(",") if g.isdigit()]
         return out
 
     def set_aside(self, task_id: str, reason: str) -> None:

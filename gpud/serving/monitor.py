@@ -175,6 +175,7 @@ def apply_readings(daemon: Daemon, readings: list[Reading]) -> None:
         slot.memory_used_bytes = r.memory_used_bytes
         m.memory_used.labels(r.index).set(r.memory_used_bytes)
         m.utilization.labels(r.index).set(r.utilization_ratio)
+        daemon.allocations.observe_utilization(r.index, r.utilization_ratio, now)
         for sid, conn in list(daemon.links.owners.items()):
             used = process_memory(r.process_memory or {}, conn)
             if used is not None and conn.sessions.get(sid) == r.index and not daemon.leases.owns(sid):
@@ -244,9 +245,13 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
         m.queue.labels(gpu).set(len(view.queue))
         if slot.gpu.simulated:
             m.utilization.labels(gpu).set(1.0 if view.holders else 0.0)
+            daemon.allocations.observe_utilization(gpu, 1.0 if view.holders else 0.0, now)
             m.memory_used.labels(gpu).set(view.memory_in_use_bytes if view.holders else 0)
         m.allocated.labels(gpu).set((UNIT - daemon.allocations.ledger.gpu_free(gpu)) / UNIT)
+        m.parked.labels(gpu).set(slot.scheduler.parked_bytes())
+        m.draining.labels(gpu).set(1 if slot.draining else 0)
     m.allocations.set(len(daemon.allocations.ledger.allocations()))
+    m.suspended.set(len(daemon.allocations.ledger.suspended()))
     children = m.session_children
     limits = _series(m.session_memory_limit)
     done, began = 0, time.perf_counter()

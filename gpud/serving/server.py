@@ -83,12 +83,18 @@ class Daemon:
         self.allocations_wake = trio.Event()
         pieces = Pieces(self.slots, self.refs, self.links, self.effects, self.access, metrics)
         self.allocations = Allocations(
-            pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocations
+            pieces, self.faults, config, sorted(os.sched_getaffinity(0)), self.wake_allocations, clock
         )
         self.leases = Leases(pieces, config, ids, self.settle_all)
         self.locks = Locks(pieces, ids, self.allocations.session_allocation, self.leases.owns)
         self.admin = Admin(self.refs, self.links, self.effects, self.access)
-        self.status = Status(self.slots, self.links, self.started_at, self.settle_all)
+        self.status = Status(
+            self.slots,
+            self.links,
+            self.started_at,
+            self.settle_all,
+            lambda g: bool(self.allocations.ledger.gpu_tasks(g)),
+        )
         self.handlers: dict[type, Handler] = {p.Hello: self.hello}
         for part in (self.locks, self.leases, self.allocations, self.admin, self.status):
             self.handlers.update(part.handlers())

@@ -66,6 +66,7 @@ class GpuSlot:
     armed_for: int | None = None  # the deadline the timer task sleeps toward
     healthy: bool = True
     memory_used_bytes: int | None = None  # NVML's last reading (every process's); None: simulated
+    draining: bool = False  # an operator drains it: no new allocation, session or lease on it
 
 
 class GpuRefs:

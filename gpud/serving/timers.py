@@ -45,9 +45,7 @@ async def run_allocations_timer(daemon: Daemon) -> None:
     while True:
         daemon.allocations_wake = trio.Event()
         interval = daemon.config.reap_interval_s  # read each time: a reload changes it
-        times = [
-            t for t in (daemon.allocations.ledger.next_deadline(), next_reap if interval else None) if t is not None
-        ]
+        times = [t for t in (daemon.allocations.next_deadline(), next_reap if interval else None) if t is not None]
         if times:
             with trio.move_on_after(max(0.0, (min(times) - daemon.now()) / 1e6)):
                 await daemon.allocations_wake.wait()

@@ -96,6 +96,7 @@ def test_bad_allocations_are_refused_by_gpuctl_and_change_nothing(daemon: Daemon
     in tests/daemon/test_allocations.py)."""
     with Client(daemon.socket) as c:
         c.allocate("keep", gpus=0.5)
+    with Client(daemon.socket) as c:  # listed as any client sees it: its holder has gone
         before = c.allocations()
     for args, needle in [
         (["--gpus", "0"], "argument --gpus: 0 asks for no GPU"),

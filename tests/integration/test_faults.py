@@ -109,12 +109,12 @@ def test_a_store_of_a_newer_gpud_stops_the_start_and_says_what_to_do(tmp_path: P
     d = DaemonProcess("--simulate", "1", "--state-dir", str(state)).start()
     d.stop()
     db = sqlite3.connect(state / "allocations.sqlite3", isolation_level=None)
-    db.execute("UPDATE meta SET value = '2' WHERE key = 'schema'")
+    db.execute("UPDATE meta SET value = '3' WHERE key = 'schema'")
     db.close()
     out = run_gpud("--simulate", "1", "--socket", d.socket, "--state-dir", str(state))
     assert out.returncode == 1
     assert (
-        "was written by a newer gpud (store schema 2; this gpud reads schema 1 and older): upgrade gpud" in out.stderr
+        "was written by a newer gpud (store schema 3; this gpud reads schema 2 and older): upgrade gpud" in out.stderr
     )
     d.cleanup()
 

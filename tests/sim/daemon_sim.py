@@ -4,12 +4,15 @@ A real ``Daemon`` (schedulers, arbiter, allocator, its SQLite store in a tempora
 directory) is driven in process: no sockets, no trio run, a fake clock in integer
 microseconds that only this module moves. A ``random.Random(seed)`` draws the
 configuration (GPUs, mode, TQ, drop_timeout, park_timeout, compute window, lease
-policies, tenants, small caps, restart grace, how often the store fails) and then every
+policies, tenants, small caps, restart grace, how often the store fails; preemption on or
+off, its strategy, a grace, minimum runtime and cooldowns of milliseconds) and then every
 step: clients connect (some before HELLO), attach sessions (some parkable, as ``gpuctl
 run`` does), request and release the lock, answer PARK (or not),
-report memory, change limits, take leases (and abandon them), allocate, free and
-wait, run admin operations (mode, TQ, scheduler on/off, policies, reset), query,
-crash; the daemon itself crashes (its objects are dropped without a word, the
+report memory, change limits, take leases (and abandon them), allocate (every priority
+class from spot 0 to production 100, each recovery, elastic ranges, protected), free and
+wait (requests that may take others' allocations back), yield, run admin operations
+(mode, TQ, scheduler on/off, policies, reset, drain and undrain, protect), query,
+crash; the daemon itself crashes, often while a preemption runs (its objects are dropped without a word, the
 store is closed, a new ``Daemon`` is built on the same state directory with the
 restart grace) or restarts gracefully (GOODBYE); the store's ``write`` fails now
 and then. Time moves the way the shell's timers move it: to every scheduler and
@@ -26,6 +29,12 @@ gives a lease back), ``crashy`` (crashes often); all reconnect after a daemon
 crash and attach their sessions again, as the client library does. A parkable
 session's client answers PARK after a drawn delay, PARKED ok mostly, not ok
 sometimes; a ``slow`` one often after park_timeout, a ``stubborn`` one never.
+The connection that last got ALLOCATED for a task holds it (the daemon pushes its
+preemption there): on PREEMPT a ``good`` holder yields at once or soon, or frees
+instead, a ``slow`` one yields around the grace's end, a ``crashy`` one may crash, a
+``stubborn`` one or an abandoner never answers; after ALLOC_REVOKED a runner asks for the
+task again (a checkpoint resumes) or frees a suspended one; after a reconnect it asks
+again for what it held and waited for.
 
 After every event (one request, one timer expiry, one client action, one crash)
 ``World.check`` compares the daemon with the model and with the rules:
@@ -63,6 +72,24 @@ After every event (one request, one timer expiry, one client action, one crash)
   write failed is answered ``store_failed`` and left the ledger exactly as it was;
   permissions (admin ops, other uids' tasks, tenants, priority ceilings) and the
   limits a fractional allocation puts on a session are what the rules say;
+- taking back (``reconcile``, ``notice_wrong``): no device (GPU share, CPU core) is held
+  by two allocations, in the ledger's books or the model's; a PREEMPT goes to the
+  allocation's holder, once at a time, with its recovery and the configured grace; only a
+  drain tells production (100) or a protected allocation to leave, and nothing but a drain
+  with preemption off; a victim of ``priority`` has a strictly lower priority than the
+  waiter named ``by`` and ran the minimum runtime unless spot; ``elastic`` takes exactly the
+  extras, for a waiter of its priority or higher; ``quota_reclaim`` takes from a tenant over
+  its quota for another's; a victim whose notice was withdrawn rests for the cooldown; a
+  notice ends in ALLOC_REVOKED or ALLOC_CHANGED(shrunk) when yielded (suspended only then,
+  for on_preempt suspend) or at its grace's end (later only while the timer retries a
+  store write), or is withdrawn only when its waiter gave up or was served or its GPU was
+  put back; what changed for an allocation nobody holds (grown, resumed, carried out,
+  withdrawn) is found in the ledger and judged by the same rules; notices with their
+  deadlines, suspended allocations, waits that had victims and the preemption history
+  survive a crash, and the next allocation of a preempted task says ``resume``; a draining
+  GPU gets no new allocation, session or lease, and every allocation on it that someone
+  holds is told once the timer has run; no victim gets more notices than the simulated
+  time / preemption_cooldown + 2 (the thrash figures are printed at the end of a run);
 - every request is answered exactly once, every push names something the client
   has, and the daemon counted no fault.
 
@@ -106,6 +133,7 @@ import msgspec
 import structlog
 import trio
 
+from gpud.capabilities.allocations import STORE_RETRY_US
 from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient
@@ -149,6 +177,9 @@ ADMIN_KINDS = ("SET_MODE", "SET_TQ", "SCHED_ON", "SCHED_OFF", "SET_POLICY", "RES
 # (The two the parking checks found first, a PARK before its ATTACHED and PARKs asked for a lease
 # that leaves at once, are fixed: their checks now always fail.)
 KNOWN_BUGS: set[str] = set()
+# How late a preemption or a wait may end while the allocations' timer tries again a change the store
+# refused (each try STORE_RETRY_US later; 25 failed writes in a row do not happen).
+MAX_LATE_US = 25 * STORE_RETRY_US
 
 
 class SimFailure(AssertionError):
@@ -230,6 +261,7 @@ class Client:
     leases: dict[str, LeaseM] = field(default_factory=dict)
     intents: list[dict[str, Any]] = field(default_factory=list)  # sessions to attach again after a restart
     early_parks: dict[int, int] = field(default_factory=dict)  # PARKs for sessions not yet ATTACHED (known bug)
+    alloc_intents: list[p.Allocate] = field(default_factory=list)  # ALLOCATEs to send again after a reconnect
     alive: bool = True  # False: the process is gone for good
 
     @property
@@ -249,8 +281,32 @@ class Client:
 
 
 @dataclass(eq=False)
+class NoticeM:
+    """A PREEMPT as its holder saw it (or, for one restored after a restart, as it was stored)."""
+
+    reason: p.PreemptReason
+    gpus: tuple[int, ...]
+    whole: bool
+    by: str
+    issued: int
+    deadline: int
+
+    def same(self, n: Any) -> bool:
+        """Whether the ledger's ``Notice`` ``n`` is this one."""
+        return n is not None and (n.reason, n.gpus, n.whole, n.by, n.issued, n.deadline) == (
+            self.reason,
+            self.gpus,
+            self.whole,
+            self.by,
+            self.issued,
+            self.deadline,
+        )
+
+
+@dataclass(eq=False)
 class Acked:
-    """An allocation acknowledged (ALLOCATED) and not freed (OK)."""
+    """An allocation acknowledged (ALLOCATED) and not freed (OK) or taken back; in ``World.acked``
+    while it holds devices, in ``World.suspended`` while it waits for its own GPUs again."""
 
     task_id: str
     uid: int
@@ -259,6 +315,57 @@ class Acked:
     cpus: tuple[int, ...]
     tenant: str | None
     priority: int = 50
+    on_preempt: p.Recovery = p.Recovery.TERMINATE
+    gpus_min: int = 0  # elastic: whole GPUs it may be shrunk to (0: not elastic)
+    gpus_max: int = 0
+    protected: bool = False
+    created: int = 0  # when it was made: its minimum runtime counts from then
+    preemptions: int = 0
+    resume: bool = False
+    holder: ClientLink | None = None  # the connection told of its preemption (the last one ALLOCATED)
+    notice: NoticeM | None = None  # the PREEMPT that runs
+    told: int = 0  # PREEMPT pushes (or notices) it got: thrash
+    withdrawn: int = 0  # of those, withdrawn
+    rested_until: int = 0  # a notice withdrawn because its waiter gave up: not chosen again before then
+    changed: int = 0  # its last elastic change (or resume): it grows again elastic_cooldown after
+
+    @property
+    def terms(self) -> tuple[Any, ...]:
+        """What a repeat must ask for again (the ledger's ``_terms``, owner pids aside: never set here)."""
+        gpus = self.gpus_min * UNIT if self.gpus_min else self.share * len(self.gpus)
+        return (gpus, len(self.cpus), self.tenant, self.priority, self.on_preempt, self.gpus_max)
+
+    @property
+    def extras(self) -> tuple[int, ...]:
+        return self.gpus[self.gpus_min :] if self.gpus_min else ()
+
+    def again(self, rid: int, *, wait_ms: int = 0, existing: bool = False) -> p.Allocate:
+        """The ALLOCATE that asks for this allocation again (a runner that reconnects: ``existing``,
+        only the allocation it holds; or one that starts the task again)."""
+        gpus, cpus, tenant, priority, on_preempt, gpus_max = self.terms
+        return p.Allocate(
+            id=rid,
+            task_id=self.task_id,
+            gpus=gpus / UNIT,
+            cpus=cpus,
+            tenant=tenant,
+            priority=priority,
+            wait_ms=wait_ms,
+            on_preempt=on_preempt,
+            gpus_max=gpus_max or None,
+            existing=existing,
+        )
+
+
+@dataclass(eq=False)
+class Ghost:
+    """A wait that outlived the daemon (it had victims, so it is stored): nobody's request now."""
+
+    task_id: str
+    uid: int
+    terms: tuple[Any, ...]  # as ``Acked.terms`` says them
+    earliest: int  # it does not expire before (its wait_ms from when it was asked)
+    answer_by: int  # it ends by then (served or expired), its victims' grace included
 
 
 @dataclass(eq=False)
@@ -336,7 +443,28 @@ def draw_config(rng: random.Random, state_dir: str) -> Config:
         max_lock_queue=rng.choice([3, 16]),
         max_allocation_waiters=rng.choice([1, 4]),
         priority_max_uids={str(USERS[1]): 80},
+        # Taking allocations back, on the simulation's time scale (a seed runs for seconds).
+        preemption=rng.random() < 0.85,
+        preemption_strategy=rng.choice(list(p.PreemptStrategy)),
+        preemption_grace_s=rng.choice([0.005, 0.02, 0.1]),
+        preemption_min_runtime_s=rng.choice([0.0, 0.01, 0.1, 1.0]),
+        preemption_cooldown_s=rng.choice([0.01, 0.05, 0.3]),
+        elastic_cooldown_s=rng.choice([0.0, 0.02, 0.2]),
+        elastic_window_s=rng.choice([0.0, 0.005, 0.05]),
     )  # fmt: skip
+
+
+def asked_priority(m: p.Allocate) -> int:
+    """The priority an ALLOCATE asks for: its own, else its class's, else 50."""
+    if m.priority is not None:
+        return m.priority
+    return p.PRIORITY_OF_CLASS[m.priority_class] if m.priority_class else 50
+
+
+def asked_terms(m: p.Allocate) -> tuple[Any, ...]:
+    """An ALLOCATE's terms, as ``Acked.terms`` says them."""
+    gpus = round(m.gpus * UNIT)
+    return (gpus, m.cpus, m.tenant, asked_priority(m), m.on_preempt, m.gpus_max or 0)
 
 
 @contextlib.contextmanager
@@ -428,6 +556,7 @@ class World:
         self.dt_us = round(self.config.drop_timeout_s * 1e6)
         self.pt_us = round(self.config.park_timeout_s * 1e6)
         self._stored: tuple[Any, int, dict[str, Any]] | None = None  # see stored_allocations
+        self._placed: Any = None  # see check_allocations
         self.store_fail_p = self.rng.choice([0.0, 0.0, 0.05, 0.25])
         self.codec = p.daemon_codec()
         self.reader = p.client_codec()
@@ -436,6 +565,29 @@ class World:
         self._agenda_seq = itertools.count()
         self._seq = itertools.count(1)  # arrival order of lock requests and acquires
         self.acked: dict[str, Acked] = {}
+        # Taking allocations back: what the clients were told, and what the model knows besides.
+        self.grace_us = round(self.config.preemption_grace_s * 1e6)
+        self.min_runtime_us = round(self.config.preemption_min_runtime_s * 1e6)
+        self.cooldown_us = round(self.config.preemption_cooldown_s * 1e6)
+        self.suspended: dict[str, Acked] = {}  # suspended allocations: waiting for their own GPUs again
+        self.ghosts: dict[str, Ghost] = {}  # waits restored from the store after a crash, nobody's request
+        self.history: dict[str, tuple[int, bool]] = {}  # task id -> (preemptions, resume) with no allocation now
+        self.draining: set[int] = set()  # GPUs an admin drains
+        self.yields_now: set[str] = set()  # tasks whose YIELD (or FREE under a notice) was sent in this event
+        self.withdrawals_now: list[tuple[Acked, NoticeM]] = []  # PREEMPT_WITHDRAWN pushes of this event
+        self.wait_priority: dict[str, tuple[int, str | None]] = {}  # task id -> (priority, tenant) of its last wait
+        # (notices, withdrawn, lifetime us, the bound on its notices) of each victim, when it ended
+        self.victims: list[tuple[int, int, int, int]] = []
+        self.started = START_US
+        self.waits_ended_now: set[str] = set()  # allocation waits answered or dropped in this event
+        self.again_terms: dict[str, p.Allocate] = {}  # tasks a runner asks for again after they were taken back
+        self.booting = False  # a new daemon whose timers have not run yet (what fell due while it was down)
+        self.drain_now: set[int] = set()  # GPUs an admin asked to drain in this event
+        self.undrain_now: set[int] = set()  # GPUs an admin asked to put back in this event
+        # Withdrawals the store may not hold yet (a wait given up while the store failed: withdrawn
+        # anyway, stored when the timer tries again); a crash before that brings them back.
+        self.unstored_notices: dict[str, NoticeM] = {}
+        self.unstored_waits: dict[str, Ghost] = {}
         self.faults: list[str] = []
         self.injected = 0  # store writes failed on purpose so far
         self.daemon_runs = 0
@@ -494,7 +646,10 @@ class World:
             f"carryover={c.quota_carryover_percent} tail={c.drop_tail_billing_percent} "
             f"force_release={c.lease_force_release} hold_max={c.lease_hold_max_ms}ms grace={c.restart_grace_s}s "
             f"caps(conn={c.max_connections}/{c.max_connections_per_uid} sess={c.max_sessions_per_connection} "
-            f"queue={c.max_lock_queue} waiters={c.max_allocation_waiters}) store_fail_p={self.store_fail_p}"
+            f"queue={c.max_lock_queue} waiters={c.max_allocation_waiters}) store_fail_p={self.store_fail_p} "
+            f"preemption={c.preemption} {c.preemption_strategy} grace={c.preemption_grace_s}s "
+            f"min_runtime={c.preemption_min_runtime_s}s cooldown={c.preemption_cooldown_s}s "
+            f"elastic(cooldown={c.elastic_cooldown_s}s window={c.elastic_window_s}s)"
         )
 
     def build_daemon(self, grace_us: int) -> Daemon:
@@ -513,6 +668,7 @@ class World:
             if self.store_fail_p and self.rng.random() < self.store_fail_p:
                 self.injected += 1
                 self.stats["store writes failed (injected)"] += 1
+                self.event("the store's write fails (injected)")
                 raise StoreError("injected by the simulation")
             real_write(*args, **kwargs)
 
@@ -524,6 +680,14 @@ class World:
             real_record(where, exc, **context)
 
         d.faults.record = record  # type: ignore[method-assign]
+        real_wake = d.allocations.wake
+
+        def wake() -> None:  # the allocations' timer task wakes and ticks at once (after this event)
+            self.woken = True
+            real_wake()
+
+        d.allocations.wake = wake
+        self.woken = False
         self.grace_end = d.started_at + grace_us
         self.holds = {}
         self.gpus = [
@@ -621,6 +785,15 @@ class World:
             self.end_hold(s.sid)
         for lease in c.leases.values():
             self.end_hold(lease.sid)
+        # Its allocations outlive it; it is no longer told of them. A runner that comes back asks for
+        # them again (the same terms), and for what it waited for (a wait dies with its connection).
+        held = [a for a in (*self.acked.values(), *self.suspended.values()) if a.holder is c.conn]
+        for a in held:
+            a.holder = None
+        for q in self.waits_of(c):
+            self.wait_ended(c, q)
+        waits = [q.msg for q in self.waits_of(c)]
+        c.alloc_intents = [a.again(0, existing=self.rng.random() < 0.5) for a in held] + (waits if keep_intents else [])
         c.conn, c.greeted = None, False
         c.sessions.clear()
         c.leases.clear()
@@ -684,6 +857,14 @@ class World:
                     )
                 self.end_hold(lease.sid)
                 self.stats["leases revoked (hold_max)"] += 1
+            case p.Preempt():
+                self.on_preempt(c, msg)
+            case p.PreemptWithdrawn():
+                self.on_withdrawn(c, msg)
+            case p.AllocRevoked():
+                self.on_alloc_revoked(c, msg)
+            case p.AllocChanged():
+                self.on_alloc_changed(c, msg)
             case p.Goodbye():
                 if not self.goodbye_expected:
                     self.fail(f"client {c.cid} got GOODBYE but the daemon is not shutting down")
@@ -869,6 +1050,8 @@ class World:
     def on_answer(self, c: Client, pend: Pending, msg: Any) -> None:
         code = msg.code if isinstance(msg, p.Error) else None
         kind = pend.kind
+        if kind == "ALLOCATE" and pend.deadline is not None:
+            self.waits_ended_now.add(pend.msg.task_id)
         if isinstance(msg, p.Error):
             self.stats[f"errors ({msg.code})"] += 1
         if isinstance(msg, p.Error) and not msg.message.strip():
@@ -929,12 +1112,17 @@ class World:
             return
         match msg:
             case p.AllocationsReply():
-                listed = sorted(a.task_id for a in msg.allocations)
-                self.expect(listed == sorted(self.acked), c, pend, msg, f"acknowledged: {sorted(self.acked)}")
+                # (the listing runs the allocations' deadlines first: a notice given or withdrawn then
+                # may reach its holder after this answer, so running and preempting are one here)
+                listed = sorted((a.task_id, a.state == p.AllocState.SUSPENDED) for a in msg.allocations)
+                model = sorted([(t, False) for t in self.acked] + [(t, True) for t in self.suspended])
+                self.expect(listed == model, c, pend, msg, f"acknowledged (task, suspended): {model}")
                 waiting = sorted(
-                    t for q in self.all_pending("ALLOCATE") if q.deadline is not None for t in [q.msg.task_id]
+                    [t for q in self.all_pending("ALLOCATE") if q.deadline is not None for t in [q.msg.task_id]]
+                    + list(self.ghosts)
                 )
                 self.expect(sorted(msg.waiting) == waiting, c, pend, msg, f"waiting: {waiting}")
+                self.expect(msg.draining == sorted(self.draining), c, pend, msg, f"draining {sorted(self.draining)}")
             case p.LeasesReply():
                 held = sorted(lease.lease_id for x in self.clients for lease in x.leases.values())
                 listed = sorted(i.lease_id for i in msg.leases if i.state == "holding")
@@ -944,6 +1132,7 @@ class World:
                 for g in msg.gpus:
                     gm = self.gpus[g.index]
                     self.expect(g.mode == gm.mode and g.scheduler_on == gm.enabled, c, pend, msg, "mode / switch")
+                    self.expect(g.draining == (g.index in self.draining), c, pend, msg, "draining")
             case p.ClientsReply():
                 ids = sorted(i.client_id for i in msg.clients)
                 self.expect(ids == sorted(x.client_id for x in self.connected()), c, pend, msg, "connected clients")
@@ -981,8 +1170,15 @@ class World:
                         for s in self.sessions_on(gm.index):
                             s.drop_at = s.drop_reason = None
             case p.ResetAllocations():
-                for task in pend.info["tasks"]:
-                    self.acked.pop(task, None)
+                history = self.daemon.allocations.ledger._history
+                for task in pend.info["tasks"]:  # the suspended ones too
+                    a = self.acked.pop(task, None) or self.suspended.pop(task, None)
+                    if a is not None and a.notice is not None and a.notice.whole and task in history:
+                        # freed under its notice, unless a waiter served earlier in the reset withdrew it
+                        # (its holder, forgotten, is not told): the order of the releases decides
+                        self.remember(a)
+                    if a is not None:
+                        self.retire(a)
                 return
             case _:
                 return
@@ -1001,6 +1197,8 @@ class World:
             expected = p.ErrorCode.PERMISSION_DENIED
         elif owner is not None and owner.uid != c.uid and not c.admin:
             expected = p.ErrorCode.PERMISSION_DENIED
+        elif pend.info.get("gpu") in self.draining and self.allocation_for(c, pend.info["gpu"], m.task_id) is None:
+            expected = p.ErrorCode.INSUFFICIENT  # a draining GPU takes no new session but its allocations'
         early, c.early_parks = c.early_parks, {}
         if set(early) - {getattr(msg, "session", None)}:
             self.fail(f"client {c.cid} got a PARK for sessions {sorted(early)}, which {short(msg)} did not attach")
@@ -1118,7 +1316,9 @@ class World:
         if isinstance(msg, p.Error):
             cap = self.config.max_sessions_per_connection
             expected: p.ErrorCode | None = None
-            if len(c.sessions) + len(c.leases) + len(c.waiting_leases()) >= cap:
+            if pend.info["gpu"] in self.draining:
+                expected = p.ErrorCode.INSUFFICIENT  # a draining GPU takes no new lease
+            elif len(c.sessions) + len(c.leases) + len(c.waiting_leases()) >= cap:
                 expected = p.ErrorCode.LIMIT_REACHED
             else:
                 refused = (m.priority or 0) > self.ceiling(c) or pend.info["terms"] is None
@@ -1134,6 +1334,9 @@ class World:
         )
         gpu = pend.info["gpu"]
         self.expect(msg.gpu == gpu, c, pend, msg, "the GPU asked for")
+        self.expect(
+            gpu not in self.draining or pend.sent_at < self.now, c, pend, msg, "a draining GPU takes no new lease"
+        )
         if msg.status == p.LeaseStatus.ACQUIRED:
             rec = self.daemon.leases.by_id.get(msg.lease_id or "")
             self.expect(rec is not None and rec.conn is c.conn, c, pend, msg, "the arbiter holds the lease for it")
@@ -1225,6 +1428,7 @@ class World:
         if isinstance(msg, p.Error):
             if msg.code == p.ErrorCode.STORE_FAILED:
                 self.expect(injected, c, pend, msg, "store_failed without a failed store write")
+                info["store_failed"] = True
                 return
             self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
             expected = info["expected"]
@@ -1235,9 +1439,9 @@ class World:
                 if pend.deadline is not None:
                     self.stats["allocation waits " + ("withdrawn" if info.get("withdrawn") else "expired")] += 1
                 if pend.deadline is not None and not info.get("withdrawn"):
-                    self.expect(self.now >= pend.deadline, c, pend, msg, f"gave up before wait_ms ({pend.deadline})")
-            elif msg.code == p.ErrorCode.LIMIT_REACHED:
-                waiting = len(self.daemon.allocations.waiters)
+                    self.expect(self.now >= info["earliest"], c, pend, msg, f"gave up before wait_ms ({pend.deadline})")
+            elif msg.code == p.ErrorCode.LIMIT_REACHED:  # waits restored after a restart and suspended ones count
+                waiting = len(self.daemon.allocations.waiters) + len(self.ghosts) + len(self.suspended)
                 self.expect(
                     m.wait_ms > 0 and waiting >= self.config.max_allocation_waiters,
                     c,
@@ -1257,8 +1461,6 @@ class World:
         )
         self.expect(not injected, c, pend, msg, "ALLOCATED though its store write failed")
         self.stats["allocations answered" + (" after waiting" if pend.deadline is not None else "")] += 1
-        share = round(msg.share * UNIT)
-        got = Acked(msg.task_id, c.uid, tuple(msg.gpus), share, tuple(msg.cpus), msg.tenant, msg.priority)
         self.expect(
             msg.task_id == m.task_id and msg.cuda_visible_devices == ",".join(map(str, msg.gpus)),
             c,
@@ -1266,33 +1468,104 @@ class World:
             msg,
             "task id / CUDA_VISIBLE_DEVICES",
         )
-        before = self.acked.get(m.task_id)
+        before = self.acked.get(m.task_id) or self.suspended.get(m.task_id)
         if before is not None:
-            same = (before.gpus, before.share, before.cpus, before.tenant) == (
-                got.gpus,
-                got.share,
-                got.cpus,
-                got.tenant,
-            )
-            self.expect(same, c, pend, msg, f"the same task again must be the same allocation: {before}")
+            self.answered_again(c, pend, msg, before)
             return
-        want = round(m.gpus * UNIT)
-        if want >= UNIT:
+        self.expect(not info["suspended"], c, pend, msg, "a suspended allocation is answered as it is")
+        got, why = self.made(c.uid, msg, m)
+        self.expect(not why, c, pend, msg, why)
+        got.holder = c.conn if m.notify else None
+        self.ghosts.pop(m.task_id, None)  # a wait restored after a restart, served as its client asked again
+
+    def made(self, uid: int, msg: p.Allocated, m: p.Allocate | Ghost) -> tuple[Acked, str]:
+        """A new allocation, answered or found served: the model's record of it, and what is wrong
+        with it ("" when it is what ``m`` asked for; only then is it recorded)."""
+        share = round(msg.share * UNIT)
+        terms = asked_terms(m) if isinstance(m, p.Allocate) else m.terms
+        want, cpus, tenant, priority, on_preempt, gpus_max = terms
+        got = Acked(
+            msg.task_id,
+            uid,
+            tuple(msg.gpus),
+            share,
+            tuple(msg.cpus),
+            msg.tenant,
+            msg.priority,
+            msg.on_preempt,
+            msg.gpus_min or 0,
+            msg.gpus_max or 0,
+            msg.protected,
+            self.now,
+            msg.preemptions,
+            msg.resume,
+            changed=self.now,
+        )
+        if gpus_max:
+            shape = want // UNIT <= len(got.gpus) <= gpus_max and share == UNIT and got.gpus_min == want // UNIT
+        elif want >= UNIT:
             shape = len(got.gpus) == want // UNIT and share == UNIT
         elif want > 0:
             shape = len(got.gpus) == 1 and share == want
         else:
             shape = got.gpus == () and share == 0
-        self.expect(shape and len(set(got.gpus)) == len(got.gpus), c, pend, msg, "the GPUs asked for")
+        history = self.history.pop(msg.task_id, (0, False))
+        why = ""
+        if not (shape and len(set(got.gpus)) == len(got.gpus)):
+            why = "the GPUs asked for"
+        elif set(got.gpus) & (self.draining - self.undrain_now):
+            why = f"placed on a draining GPU (draining: {sorted(self.draining)})"
+        elif not (len(got.cpus) == cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus)):
+            why = "the CPU cores asked for"
+        elif (got.tenant, got.priority, got.on_preempt, got.gpus_max) != (tenant, priority, on_preempt, gpus_max):
+            why = "the terms asked for (tenant, priority, on_preempt, gpus_max)"
+        elif msg.state != p.AllocState.RUNNING:
+            why = "a new allocation runs"
+        elif (got.preemptions, got.resume) != history:
+            why = f"preemptions / resume: the task's history is {history} (lost across a restart?)"
+        if not why:
+            self.acked[msg.task_id] = got
+            self.stats["allocations that resume a preempted task"] += got.resume
+        return got, why
+
+    def answered_again(self, c: Client, pend: Pending, msg: p.Allocated, before: Acked) -> None:
+        """The same task again: the same allocation, in the state its holder was told; this
+        connection holds it now if it listens (a notice that runs is its to act on)."""
+        share = round(msg.share * UNIT)
+        same = (before.gpus, before.share, before.cpus, before.tenant) == (
+            tuple(msg.gpus),
+            share,
+            tuple(msg.cpus),
+            msg.tenant,
+        )
+        self.expect(same, c, pend, msg, f"the same task again must be the same allocation: {before}")
+        n = before.notice
+        if before.task_id in self.suspended:
+            state, deadline = p.AllocState.SUSPENDED, None
+        elif n is not None:
+            state, deadline = p.AllocState.PREEMPTING, round(max(0, n.deadline - self.now) / 1e6, 3)
+        else:
+            state, deadline = p.AllocState.RUNNING, None
         self.expect(
-            len(got.cpus) == m.cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus),
+            (msg.state, msg.deadline_s) == (state, deadline),
             c,
             pend,
             msg,
-            "the CPU cores asked for",
+            f"its state is {state}" + (f", {deadline} s of grace left" if deadline is not None else ""),
         )
-        self.expect(got.tenant == m.tenant, c, pend, msg, "the tenant")
-        self.acked[m.task_id] = got
+        self.expect(
+            (msg.preemptions, msg.resume, msg.protected) == (before.preemptions, before.resume, before.protected),
+            c,
+            pend,
+            msg,
+            f"preemptions / resume / protected {(before.preemptions, before.resume, before.protected)}",
+        )
+        if pend.msg.notify:
+            before.holder = c.conn
+            if n is not None:
+                self.react(c, before, n)
+        elif before.holder is c.conn:
+            before.holder = None
 
     def answer_free(self, c: Client, pend: Pending, msg: Any) -> None:
         task = pend.msg.task_id
@@ -1300,18 +1573,583 @@ class World:
         injected = self.injected > info["injected"]
         if isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED:
             self.expect(injected, c, pend, msg, "store_failed without a failed store write")
+            info["store_failed"] = True
             return
-        self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
         expected = info["expected"]
         if isinstance(msg, p.Error):
+            self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
             self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'OK'}")
             return
         self.expect(isinstance(msg, p.Ok) and expected is None, c, pend, msg, f"expected {expected}")
-        if task in self.acked:
-            del self.acked[task]
+        a = self.acked.pop(task, None) or self.suspended.pop(task, None)
+        if a is not None:
+            self.expect(not injected, c, pend, msg, "the store write failed: expected store_failed")
+            if a.notice is not None and a.notice.whole:
+                self.remember(a)
+                self.stats["preemptions done by FREE"] += 1
+            self.retire(a)
+        elif (ghost := self.ghosts.pop(task, None)) is not None:
+            self.waits_ended_now.add(task)
+            self.unstored_waits[task] = ghost
+            self.stats["restored waits withdrawn"] += 1
         else:
             waiter = info["waiter"]
             self.expect(waiter is not None, c, pend, msg, "freed a task that was neither allocated nor waiting")
+
+    # --- taking allocations back: the holders' side ------------------------------------------------
+
+    def held_by(self, c: Client, task: str, msg: Any) -> Acked:
+        """The allocation a push names: one the model has, and this connection holds it."""
+        a = self.acked.get(task) or self.suspended.get(task)
+        if a is None:
+            self.fail(f"client {c.cid} got {short(msg)} for an allocation that does not exist")
+        if a.holder is not c.conn:
+            holder = next((x.cid for x in self.clients if x.conn is not None and x.conn is a.holder), None)
+            self.fail(
+                f"client {c.cid} got {short(msg)}, but the connection holding {task} is "
+                + (
+                    "none (nobody asked for it since the last restart or disconnect)"
+                    if holder is None
+                    else f"client {holder}'s"
+                )
+            )
+        return a
+
+    def wait_ended(self, c: Client, q: Pending) -> None:
+        """A wait given up (freed, or its connection gone); one that had victims is stored, and its
+        withdrawal may not be yet."""
+        self.waits_ended_now.add(q.msg.task_id)
+        if q.info.get("victims"):
+            terms = asked_terms(q.msg)
+            self.unstored_waits[q.msg.task_id] = Ghost(q.msg.task_id, c.uid, terms, q.info["earliest"], q.deadline or 0)
+
+    def behind(self) -> bool:
+        """The daemon knows its store does not hold all its changes yet (a withdrawal it could not store)."""
+        alloc = self.daemon.allocations
+        return bool(alloc._written != alloc.ledger.records())
+
+    def waits_of(self, c: Client) -> list[Pending]:
+        return [q for q in c.pending.values() if q.kind == "ALLOCATE" and q.deadline is not None]
+
+    def asking(self, task: str) -> Pending | None:
+        """The ALLOCATE of ``task`` that waits, or is being handled now (it may wait)."""
+        for q in self.all_pending("ALLOCATE"):
+            if q.msg.task_id == task and (q.deadline is not None or q.sent_at == self.now):
+                return q
+        return None
+
+    def waiter_of(self, task: str) -> tuple[int, str | None] | None:
+        """(priority, tenant) of what a notice names as ``by``: a wait (also one that ended in this
+        event), a wait restored after a restart, or a suspended allocation waiting for its GPUs."""
+        if (q := self.asking(task)) is not None:
+            return asked_priority(q.msg), q.msg.tenant
+        if (g := self.ghosts.get(task)) is not None:
+            return g.terms[3], g.terms[2]
+        if (a := self.suspended.get(task)) is not None:
+            return a.priority, a.tenant
+        return self.wait_priority.get(task) if task in self.waits_ended_now else None
+
+    def model_waiters(self) -> list[int]:
+        """The priorities of everything that waits for devices."""
+        out = [asked_priority(q.msg) for q in self.all_pending("ALLOCATE") if q.deadline or q.sent_at == self.now]
+        return out + [g.terms[3] for g in self.ghosts.values()] + [a.priority for a in self.suspended.values()]
+
+    def on_preempt(self, c: Client, msg: p.Preempt) -> None:
+        a = self.held_by(c, msg.task_id, msg)
+        if msg.task_id in self.suspended:
+            self.fail(f"client {c.cid} got {short(msg)} for a suspended allocation")
+        if a.notice is not None:
+            self.fail(f"client {c.cid} got {short(msg)} while the notice of {a.notice.issued} runs")
+        n = NoticeM(msg.reason, tuple(msg.gpus), msg.whole, msg.by, self.now, self.now + self.grace_us)
+        why = self.notice_wrong(a, n, msg)
+        if why:
+            self.fail(
+                f"client {c.cid} got {short(msg)} for {a.task_id} (priority {a.priority}, gpus {a.gpus}, "
+                f"on_preempt {a.on_preempt}, protected {a.protected}, running {self.now - a.created} us): {why}"
+            )
+        a.notice = n
+        a.told += 1
+        self.stats[f"preempt notices ({msg.reason}, {'whole' if msg.whole else 'partial'})"] += 1
+        self.stats["preempt notices"] += 1
+        if (q := self.asking(n.by)) is not None:  # it waits until its victims have left
+            q.info["victims"] = True
+            q.info["answer_by"] = max(q.info.get("answer_by", 0), n.deadline + 1)
+            if q.deadline is not None:
+                q.deadline = max(q.deadline, n.deadline + 1)
+        if (g := self.ghosts.get(n.by)) is not None:
+            g.answer_by = max(g.answer_by, n.deadline + 1)
+        bound = (self.now - self.started) // max(1, self.cooldown_us) + 2
+        if a.told > bound:
+            self.fail(
+                f"thrash: {a.task_id} got its notice number {a.told} after {(self.now - self.started) / 1e6:.3f} s "
+                f"simulated, more than time / preemption_cooldown + 2 = {bound}"
+            )
+        self.react(c, a, n)
+        if self.rng.random() < 0.1:  # gpud dies while the notice runs
+            self.later(self.now + self.rng.randrange(0, max(1, self.grace_us)), "crash")
+
+    def later_crash(self) -> None:
+        if any(a.notice is not None for a in self.acked.values()):
+            self.stats["daemon crashes during a preemption"] += 1
+        self.do_crash_daemon()
+
+    def notice_wrong(self, a: Acked, n: NoticeM, msg: p.Preempt) -> str:
+        """What is wrong with notice ``n`` to ``a`` ("" if nothing): the rules of taking back."""
+        recovery = a.on_preempt
+        if n.whole and recovery == p.Recovery.SHRINK:  # (a drain of its minimum): it ends
+            recovery = p.Recovery.TERMINATE
+        if msg.recovery != recovery:
+            return f"recovery {msg.recovery}, but its on_preempt is {a.on_preempt}"
+        if msg.grace_s != round(self.grace_us / 1e6, 3):
+            return f"grace {msg.grace_s} s, configured {self.config.preemption_grace_s} s"
+        if not n.gpus and a.gpus or not set(n.gpus) <= set(a.gpus) or n.whole != (n.gpus == a.gpus):
+            return f"GPUs {n.gpus} (whole={n.whole}) of an allocation of {a.gpus}"
+        if not n.whole and not set(n.gpus) <= set(a.extras):
+            return f"a partial notice takes only GPUs above the elastic minimum (extras {a.extras})"
+        if n.reason == p.PreemptReason.DRAIN:
+            if n.by != "drain" or not set(n.gpus) & (self.draining | self.drain_now):
+                return f"drain notice by {n.by!r} for GPUs {n.gpus}, draining {sorted(self.draining)}"
+            return ""
+        if not self.config.preemption:
+            return "preemption is off: only a drain takes allocations back"
+        if a.priority >= 100:
+            return "production (100) is never preempted by a waiting request, only a drain tells it to leave"
+        if a.protected:
+            return "a protected allocation is never preempted by a waiting request"
+        if self.now < a.rested_until:
+            return f"a notice of it was withdrawn; it rests until {a.rested_until} (preemption_cooldown)"
+        waiter = self.waiter_of(n.by)
+        if waiter is None:
+            return f"by {n.by!r}, which does not wait"
+        priority, tenant = waiter
+        match n.reason:
+            case p.PreemptReason.PRIORITY:
+                if not n.whole or a.on_preempt == p.Recovery.SHRINK:
+                    return "a priority preemption takes the whole allocation, never a shrink one"
+                if a.priority >= priority:
+                    return f"its priority {a.priority} is not below the waiter's {priority}"
+                if a.priority > 0 and self.now - a.created < self.min_runtime_us:
+                    return f"it ran less than preemption_min_runtime ({self.min_runtime_us} us) and is not spot"
+            case p.PreemptReason.ELASTIC:
+                if n.whole or n.gpus != a.extras or a.priority > priority:
+                    return f"an elastic notice takes the extras {a.extras} for a waiter of priority >= {a.priority}"
+            case p.PreemptReason.QUOTA_RECLAIM:
+                if not n.whole or a.on_preempt == p.Recovery.SHRINK:
+                    return "a quota reclaim takes the whole allocation, never a shrink one"
+                lent = self.config.tenants.get(a.tenant or "")
+                used = sum(len(x.gpus) * x.share for x in self.acked.values() if x.tenant == a.tenant)
+                if lent is None or tenant is None or tenant == a.tenant or used <= round(lent.gpus * UNIT):
+                    return f"tenant {a.tenant} (using {used / UNIT}) borrows nothing the waiter's tenant {tenant} needs"
+        return ""
+
+    def react(self, c: Client, a: Acked, n: NoticeM) -> None:
+        """What the holder does about a notice: yield at once or after a while (a slow one often
+        after the grace), free instead, crash, or nothing (a stubborn one or an abandoner)."""
+        r, g = self.rng, max(2, self.grace_us)
+        if c.kind in ("stubborn", "abandoner"):
+            self.stats["notices left to run out"] += 1
+            return
+        if c.kind == "crashy" and r.random() < 0.4:
+            action, delay = "crash", r.randrange(0, g)
+        elif c.kind == "slow":
+            action, delay = "yield", r.randrange(g // 2, 2 * g)
+        else:
+            action = r.choices(["yield", "free", "never"], [7, 2, 1])[0]
+            delay = 0 if r.random() < 0.3 else r.randrange(0, g // 2)
+        self.later(self.now + delay, "react", c.cid, c.gen, a.task_id, n.issued, action)
+
+    def later_react(self, cid: int, gen: int, task: str, issued: int, action: str) -> None:
+        c = self.client(cid, gen)
+        if c is None:
+            return
+        a = self.acked.get(task)
+        if a is None or a.notice is None or a.notice.issued != issued:  # withdrawn or carried out meanwhile
+            if action == "yield" and self.rng.random() < 0.3:
+                self.yield_(c, task)  # a late YIELD: refused
+            return
+        if action == "yield":
+            self.yield_(c, task)
+        elif action == "free":
+            self.free(c, task)
+        elif action == "crash":
+            self.lose_connection(c, "crashed on its PREEMPT", crashed=True)
+            self.after_event()
+            if self.rng.random() < 0.5:
+                self.later(self.now + self.rng.randrange(MS, 20 * MS), "reconnect", c.cid)
+                c.alive, c.pid = True, c.pid + 1
+
+    def later_again(self, cid: int, gen: int, task: str) -> None:
+        """A runner whose allocation was taken back asks for its task again (checkpoint: it resumes)."""
+        c = self.client(cid, gen)
+        if c is not None and task not in self.acked and task not in self.suspended:
+            again = self.again_terms.pop(task, None)
+            if again is not None:
+                self.allocate(c, msgspec.structs.replace(again, id=c.rid()))
+
+    def later_free(self, cid: int, gen: int, task: str) -> None:
+        c = self.client(cid, gen)
+        if c is not None and task in self.suspended:
+            self.free(c, task)
+
+    def yield_(self, c: Client, task: str) -> None:
+        a = self.acked.get(task)
+        expected: p.ErrorCode | None = None
+        if a is None:
+            expected = p.ErrorCode.UNKNOWN_TASK
+        elif not c.admin and a.uid != c.uid:
+            tenant = self.config.tenants.get(a.tenant or "")
+            if tenant is None or (c.uid not in tenant.uids and c.gid not in tenant.gids):
+                expected = p.ErrorCode.PERMISSION_DENIED
+        if expected is None and (a is None or a.notice is None):
+            expected = p.ErrorCode.INVALID
+        if expected is None:
+            self.yields_now.add(task)
+        cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
+        pend = self.send(c, p.Yield(id=c.rid(), task_id=task), "YIELD", expected=expected, injected=self.injected)
+        self.finish(c, pend)
+        if pend.info.get("store_failed"):
+            self.check_rolled_back(cp, waiters, f"YIELD {task}")
+        self.after_event()
+
+    def answer_yield(self, c: Client, pend: Pending, msg: Any) -> None:
+        expected = pend.info["expected"]
+        if isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED:
+            self.expect(self.injected > pend.info["injected"], c, pend, msg, "store_failed without a failed write")
+            pend.info["store_failed"] = True
+            a = self.acked.get(pend.msg.task_id)
+            if a is not None and a.notice is not None:  # the runner tries again
+                self.later(self.now + MS, "react", c.cid, c.gen, a.task_id, a.notice.issued, "yield")
+            return
+        if isinstance(msg, p.Error):
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'OK'}")
+            self.stats[f"yields refused ({msg.code})"] += 1
+            return
+        self.expect(isinstance(msg, p.Ok) and expected is None, c, pend, msg, f"expected {expected}")
+        self.stats["yields"] += 1
+
+    def on_withdrawn(self, c: Client, msg: p.PreemptWithdrawn) -> None:
+        a = self.held_by(c, msg.task_id, msg)
+        if a.notice is None:
+            self.fail(f"client {c.cid} got {short(msg)}, but no notice of {a.task_id} runs")
+        self.withdrawals_now.append((a, a.notice))
+        self.withdrawn(a, a.notice)
+
+    def withdrawn(self, a: Acked, n: NoticeM) -> None:
+        a.notice = None
+        a.withdrawn += 1
+        self.unstored_notices[a.task_id] = n
+        why = "drain off" if n.reason == p.PreemptReason.DRAIN else "waiter gone or served"
+        self.stats[f"notices withdrawn ({why})"] += 1
+        if n.reason != p.PreemptReason.DRAIN:
+            a.rested_until = self.now + self.cooldown_us
+
+    def withdrawal_wrong(self, n: NoticeM, waits: set[str]) -> str:
+        """Why notice ``n`` may not have been withdrawn now ("" if it may): its GPU is no longer
+        drained, or the request it was for gave up."""
+        if n.reason == p.PreemptReason.DRAIN:
+            return "" if any(g not in self.draining for g in n.gpus) else f"its GPUs {n.gpus} are still drained"
+        return f"{n.by!r} still waits" if n.by in waits else ""
+
+    def on_alloc_revoked(self, c: Client, msg: p.AllocRevoked) -> None:
+        a = self.held_by(c, msg.task_id, msg)
+        n = a.notice
+        if a.task_id in self.suspended or n is None or not n.whole:
+            self.fail(f"client {c.cid} got {short(msg)}, but no notice to give {a.task_id} back whole runs")
+        suspend = self.taken_back_how(a, n)
+        want = (n.reason, not suspend, p.AllocState.SUSPENDED if suspend else p.AllocState.RUNNING)
+        if (msg.reason, msg.gone, msg.state) != want:
+            self.fail(f"client {c.cid} got {short(msg)}, expected reason/gone/state {want}")
+        self.taken_back(a, n, suspend)
+        if suspend and self.rng.random() < 0.25:  # the runner gives up on it
+            self.later(self.now + self.rng.randrange(0, 20 * MS), "free", c.cid, c.gen, a.task_id)
+        elif not suspend and self.rng.random() < 0.4:  # a runner starts its task again (a checkpoint resumes)
+            self.again_terms[a.task_id] = a.again(0, wait_ms=self.rng.choice([50, 200, 1000]))
+            self.later(self.now + self.rng.randrange(0, 20 * MS), "again", c.cid, c.gen, a.task_id)
+
+    def taken_back_how(self, a: Acked, n: NoticeM) -> bool:
+        """A notice carried out now: it must have been yielded (or freed) or its grace be over.
+        Whether the allocation is suspended (yielded with on_preempt suspend) rather than gone."""
+        yielded = a.task_id in self.yields_now
+        if not yielded and self.now < n.deadline:
+            self.fail(f"{a.task_id} taken back {n.deadline - self.now} us before its grace ended, and it did not yield")
+        return n.whole and yielded and a.on_preempt == p.Recovery.SUSPEND
+
+    def taken_back(self, a: Acked, n: NoticeM, suspend: bool) -> None:
+        self.stats[f"preemptions carried out ({'yielded' if a.task_id in self.yields_now else 'grace over'})"] += 1
+        a.notice = None
+        if not n.whole:
+            a.gpus, a.changed = tuple(g for g in a.gpus if g not in n.gpus), self.now
+            return
+        del self.acked[a.task_id]
+        if suspend:
+            a.preemptions, a.resume = a.preemptions + 1, True
+            self.suspended[a.task_id] = a
+            self.stats["allocations suspended"] += 1
+        else:
+            self.remember(a)
+            self.retire(a)
+
+    def on_alloc_changed(self, c: Client, msg: p.AllocChanged) -> None:
+        al = msg.allocation
+        a = self.held_by(c, al.task_id, msg)
+        gpus = tuple(al.gpus)
+        why = ""
+        if al.state != p.AllocState.RUNNING or (round(al.share * UNIT), al.tenant, al.priority) != (
+            a.share,
+            a.tenant,
+            a.priority,
+        ):
+            why = "it runs, with its share, tenant and priority"
+        elif msg.change == "shrunk":
+            n = a.notice
+            if a.task_id in self.suspended or n is None or n.whole:
+                why = "no partial notice runs"
+            else:
+                self.taken_back_how(a, n)
+                if gpus != tuple(g for g in a.gpus if g not in n.gpus):
+                    why = f"shrunk from {a.gpus} by {n.gpus}"
+                else:
+                    self.taken_back(a, n, False)
+                    self.stats["elastic allocations shrunk"] += 1
+        elif msg.change == "grown":
+            why = "suspended" if a.task_id in self.suspended else self.growth_wrong(a, gpus)
+            if not why:
+                a.gpus, a.changed = gpus, self.now
+                self.stats["elastic allocations grown"] += 1
+        elif msg.change == "resumed":
+            if a.task_id not in self.suspended or gpus != a.gpus:
+                why = f"resumed on its own GPUs {a.gpus}, and only a suspended allocation"
+            else:
+                self.resumed(a, tuple(al.cpus))
+        if why:
+            self.fail(f"client {c.cid} got {short(msg)} for {a.task_id} (gpus {a.gpus}): {why}")
+
+    def growth_wrong(self, a: Acked, gpus: tuple[int, ...], *, pushed: bool = True) -> str:
+        if a.notice is not None:
+            return "an allocation under a notice does not grow"
+        if not a.gpus_max or gpus[: len(a.gpus)] != a.gpus or not len(a.gpus) < len(gpus) <= a.gpus_max:
+            return f"not a growth of {a.gpus} within {a.gpus_min}..{a.gpus_max}"
+        if set(gpus[len(a.gpus) :]) & (self.draining - self.undrain_now):
+            return f"grew onto a draining GPU ({sorted(self.draining)})"
+        if self.now < a.changed + round(self.config.elastic_cooldown_s * 1e6):
+            return f"grew {self.now - a.changed} us after its last change, within elastic_cooldown"
+        if pushed:  # judged when the event is over: a waiter served in the same tick may be answered after it
+            self.deferred.append(lambda: self.judge_growth(a, gpus))
+        else:
+            self.judge_growth(a, gpus)
+        return ""
+
+    def judge_growth(self, a: Acked, gpus: tuple[int, ...]) -> None:
+        if any(prio >= a.priority for prio in self.model_waiters()):
+            self.fail(f"{a.task_id} grew to {gpus} while a request of its priority {a.priority} or higher waits")
+
+    def resumed(self, a: Acked, cpus: tuple[int, ...]) -> None:
+        del self.suspended[a.task_id]
+        a.cpus, a.changed = cpus, self.now
+        self.acked[a.task_id] = a
+        self.stats["suspended allocations resumed"] += 1
+
+    def remember(self, a: Acked) -> None:
+        """Taken back whole (or freed under a whole notice): the task's next allocation hears of it."""
+        self.history[a.task_id] = (
+            a.preemptions + 1,
+            a.on_preempt in (p.Recovery.CHECKPOINT, p.Recovery.SUSPEND) or a.resume,
+        )
+
+    def retire(self, a: Acked) -> None:
+        """An allocation ends: its notices count in the thrash figures."""
+        if a.told:
+            bound = (self.now - self.started) // max(1, self.cooldown_us) + 2
+            self.victims.append((a.told, a.withdrawn, max(1, self.now - a.created), bound))
+
+    def do_contend(self) -> None:
+        """A request that may take something back: whole GPUs or a fraction at a high priority (or a
+        tenant's own quota) with a wait, or spot work that fills the node and is taken back first."""
+        c = self.pick(self.connected())
+        if c is None:
+            return
+        r = self.rng
+        tenant = r.choice([None, None, "team", "team", "lab"])
+        if tenant == "team" and not c.admin and c.uid != USERS[0]:
+            tenant = "lab"  # team is USERS[0]'s (it may borrow lab's idle quota; lab then takes it back)
+        gpus = r.choice({None: [1.0, 1.0, 0.5], "team": [1.0, 0.5], "lab": [0.5, 0.25]}[tenant])
+        elastic = tenant is None and gpus == 1.0 and len(self.gpus) > 1 and r.random() < 0.5
+        spot = r.random() < 0.35
+        msg = p.Allocate(
+            id=c.rid(),
+            task_id=r.choice([f"c{c.cid}-t{k}" for k in range(3, 6)]),
+            gpus=gpus,
+            cpus=r.choice([0, 0, 1]),
+            tenant=tenant,
+            priority=0 if spot else r.choice([self.ceiling(c), self.ceiling(c), 10, 60, 100]),
+            wait_ms=0 if spot else r.choice([30, 200, 1000]),
+            on_preempt=r.choice(
+                [*p.Recovery, p.Recovery.SHRINK] if elastic else [x for x in p.Recovery if x != "shrink"]
+            ),
+            gpus_max=r.randint(2, len(self.gpus)) if elastic else None,
+        )
+        self.allocate(c, msg)
+
+    def do_yield(self) -> None:
+        """A YIELD out of turn: mostly refused (nothing asked it to leave, not its own, unknown)."""
+        c = self.pick(self.connected())
+        if c is not None:
+            self.yield_(c, self.rng.choice([*sorted(self.acked)[:4], "never-allocated"]))
+
+    def do_crash_preempting(self) -> None:
+        """gpud crashes while a preemption runs (else time passes)."""
+        if any(a.notice is not None for a in self.acked.values()):
+            self.stats["daemon crashes during a preemption"] += 1
+            return self.do_crash_daemon()
+        return self.do_advance()
+
+    # --- taking allocations back: what nobody was told, the admin's requests ---------------------------
+
+    def awake(self) -> bool:
+        """The allocations' timer has yet to run for what this event changed (woken, or a new daemon)."""
+        return self.woken or self.booting
+
+    def retrying(self) -> bool:
+        """The allocations' timer could not store a change and tries again later (STORE_RETRY_US)."""
+        return getattr(self.daemon.allocations, "_retry_at", None) is not None
+
+    def reconcile(self) -> None:
+        """What changed in the daemon that no client was told because no connection holds the
+        allocation now (or the wait was nobody's): carried out on the model, each as the rules allow
+        it. A holder's own pushes were applied as they came."""
+        d = self.daemon
+        led = d.allocations.ledger
+        live = {a.task_id: a for a in led.allocations()}
+        susp = {a.task_id for a in led.suspended()}
+        waits = {r.task_id for r in led.waiting()} | susp
+        for a, n in self.withdrawals_now:
+            why = self.withdrawal_wrong(n, waits)
+            if why:
+                self.fail(f"the notice of {a.task_id} ({n}) was withdrawn, but {why}")
+        for t, a in list(self.acked.items()):
+            n, la = a.notice, live.get(t)
+            ln = led.notice_of(t) if la is not None else None
+            if n is not None and not n.same(ln):
+                self.notice_ended(a, n, la, t in susp, waits)
+            elif n is None and ln is not None:
+                self.fail(f"the daemon runs a notice for {t} ({ln}) that its holder was never told")
+            elif n is not None and self.now >= n.deadline:
+                late = self.now - n.deadline
+                if not (self.booting or (self.retrying() and late <= MAX_LATE_US)):
+                    self.fail(f"the preemption of {t} still runs {late} us after its grace ended ({n})")
+                self.stats["events with a preemption late (a store write failed, tried again)"] += not self.booting
+            if t in self.acked and la is not None and la.gpus != a.gpus:
+                if a.holder is not None:
+                    self.fail(f"{t} is on GPUs {la.gpus} in the daemon, {a.gpus} for its holder, who was not told")
+                why = self.growth_wrong(a, la.gpus, pushed=False)
+                if why:
+                    self.fail(f"{t} grew from {a.gpus} to {la.gpus} while nobody held it: {why}")
+                a.gpus, a.changed = la.gpus, self.now
+                self.stats["elastic allocations grown (nobody told)"] += 1
+        for t, a in list(self.suspended.items()):
+            if t in live:
+                if a.holder is not None or live[t].gpus != a.gpus:
+                    self.fail(f"suspended {t} resumed on {live[t].gpus} (its GPUs {a.gpus}) and its holder not told")
+                self.resumed(a, live[t].cpus)
+        for t, g in list(self.ghosts.items()):
+            if t in live and t not in self.acked:
+                msg = d.allocations.answer(0, live[t], 0.0)
+                _, why = self.made(g.uid, msg, g)
+                if why:
+                    self.fail(f"the wait of {t} restored after a restart was served {short(msg)}: {why}")
+                del self.ghosts[t]
+                self.stats["restored waits served"] += 1
+            elif t not in waits:
+                if self.now < g.earliest:
+                    self.fail(f"the wait of {t} restored after a restart ended {g.earliest - self.now} us early")
+                del self.ghosts[t]
+                self.waits_ended_now.add(t)
+                self.stats["restored waits expired"] += 1
+            elif self.now > g.answer_by and not (self.booting or self.retrying()):
+                self.fail(f"the wait of {t} restored after a restart still waits {self.now - g.answer_by} us late")
+
+    def notice_ended(self, a: Acked, n: NoticeM, la: Any, suspended: bool, waits: set[str]) -> None:
+        """The daemon's notice for ``a`` ended and its holder (there is none) was not told:
+        withdrawn, or carried out when yielded or at the grace's end."""
+        t = a.task_id
+        if a.holder is not None:
+            now = "gone" if la is None else f"on GPUs {la.gpus}" + (" (suspended)" if suspended else "")
+            self.fail(f"the notice of {t} ({n}) ended in the daemon (now {now}) but its holder was not told")
+        if la is not None and la.gpus == a.gpus:
+            why = self.withdrawal_wrong(n, waits)
+            if why:
+                self.fail(f"the notice of {t} ({n}) was withdrawn, but {why}")
+            self.withdrawn(a, n)
+            return
+        suspend = self.taken_back_how(a, n)
+        if n.whole and (la is not None or suspended != suspend):
+            self.fail(f"{t} taken back whole: expected {'suspended' if suspend else 'gone'}, the daemon has it {la}")
+        kept = tuple(g for g in a.gpus if g not in n.gpus)  # (it may have grown again since: judged next)
+        if not n.whole and (la is None or la.gpus[: len(kept)] != kept):
+            self.fail(f"{t} shrunk by {n.gpus} from {a.gpus}: the daemon has it {la}")
+        self.taken_back(a, n, suspend)
+        self.stats["preemptions carried out (nobody told)"] += 1
+
+    def restored(self, waits: dict[str, tuple[Client, Pending]]) -> None:
+        """After a restart: nobody holds anything yet; no victim rests any more (not durable); the
+        waits that had victims are back, nobody's request until their clients ask again."""
+        led = self.daemon.allocations.ledger
+        for a in (*self.acked.values(), *self.suspended.values()):
+            a.rested_until = 0
+        ghosts, self.ghosts = self.ghosts, {}
+        for r in led.waiting():
+            c, q = waits.get(r.task_id, (None, None))
+            if r.task_id in ghosts:  # restored once more
+                self.ghosts[r.task_id] = ghosts[r.task_id]
+            elif q is not None and c is not None:
+                self.ghosts[r.task_id] = Ghost(
+                    r.task_id, c.uid, asked_terms(q.msg), q.info["earliest"], q.deadline or 0
+                )
+                self.stats["waits restored after a crash"] += 1
+            elif r.task_id in self.unstored_waits:
+                self.ghosts[r.task_id] = self.unstored_waits[r.task_id]
+                self.stats["withdrawn waits back after a crash (the store had failed)"] += 1
+            else:
+                self.fail(f"a wait for {r.task_id} came back after the restart, but nothing waited for it")
+        for t, a in self.acked.items():
+            n = self.unstored_notices.get(t)
+            if a.notice is None and n is not None and n.same(led.notice_of(t)):
+                a.notice = n
+                self.stats["withdrawn notices back after a crash (the store had failed)"] += 1
+        self.unstored_notices.clear()
+        self.unstored_waits.clear()
+        lost = [t for t, (_, q) in waits.items() if q.info.get("victims") and t not in self.ghosts]
+        if lost:
+            self.fail(f"the waits {lost} had victims told to leave for them, and did not survive the restart")
+
+    def answer_drain(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.Drain = pend.msg
+        if not c.admin:
+            self.expect(
+                isinstance(msg, p.Error) and msg.code == p.ErrorCode.PERMISSION_DENIED, c, pend, msg, "admins only"
+            )
+        elif isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED:
+            self.expect(self.injected > pend.info["injected"], c, pend, msg, "store_failed without a failed write")
+            pend.info["store_failed"] = True
+        else:
+            self.expect(isinstance(msg, p.Ok), c, pend, msg, "an admin drains (or puts back) a GPU")
+            (self.draining.add if m.on else self.draining.discard)(pend.info["gpu"])
+            self.stats["GPUs drained" if m.on else "GPUs put back"] += 1
+
+    def answer_protect(self, c: Client, pend: Pending, msg: Any) -> None:
+        m: p.Protect = pend.msg
+        a = self.acked.get(m.task_id)
+        expected = p.ErrorCode.PERMISSION_DENIED if not c.admin else p.ErrorCode.UNKNOWN_TASK if a is None else None
+        if isinstance(msg, p.Error) and msg.code == p.ErrorCode.STORE_FAILED and expected is None:
+            self.expect(self.injected > pend.info["injected"], c, pend, msg, "store_failed without a failed write")
+            pend.info["store_failed"] = True
+        elif isinstance(msg, p.Error):
+            self.expect(msg.code == expected, c, pend, msg, f"expected {expected or 'OK'}")
+        else:
+            self.expect(isinstance(msg, p.Ok) and expected is None, c, pend, msg, f"expected {expected}")
+            assert a is not None
+            a.protected = m.protected
+            self.stats["allocations protected" if m.protected else "allocations unprotected"] += 1
 
     # --- the client's side of each request ---------------------------------------------------------
 
@@ -1320,13 +2158,18 @@ class World:
             return 100
         return self.config.priority_max_uids.get(str(c.uid), self.config.priority_max)
 
-    def fraction_ceilings(self, c: Client, gpu: int, task_id: str | None) -> tuple[int, int | None]:
-        """What a fractional allocation puts on a new session (core %, memory bytes): the one it
-        names, else the smallest of its uid's on the GPU (owner pids are never set here)."""
+    def allocation_for(self, c: Client, gpu: int, task_id: str | None) -> Acked | None:
+        """The allocation a new session on ``gpu`` belongs to: the one it names, else the smallest
+        fractional one of its uid's on the GPU (owner pids are never set here)."""
         alloc = self.acked.get(task_id) if task_id else None
         if alloc is None:
             mine = [a for a in self.acked.values() if a.uid == c.uid and gpu in a.gpus and 0 < a.share < UNIT]
             alloc = min(mine, key=lambda a: (a.share, a.task_id), default=None)
+        return alloc
+
+    def fraction_ceilings(self, c: Client, gpu: int, task_id: str | None) -> tuple[int, int | None]:
+        """What a fractional allocation puts on a new session (core %, memory bytes)."""
+        alloc = self.allocation_for(c, gpu, task_id)
         if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
             return 100, None
         return max(1, alloc.share * 100 // UNIT), self.gpus[gpu].total * alloc.share // UNIT
@@ -1525,23 +2368,35 @@ class World:
         self.finish(c, pend, answered_now=not quiet)
         self.after_event()
 
-    def allocate(self, c: Client) -> None:
+    def draw_allocate(self, c: Client) -> p.Allocate:
+        """An ALLOCATE: whole GPUs, fractions, CPU cores only, bad shapes; priorities of every class
+        (spot 0 and production 100 included), each recovery (shrink mostly with an elastic range),
+        elastic ranges, an admin's protection, waits; or the same terms again."""
         r = self.rng
+        n = len(self.gpus)
         own = [f"c{c.cid}-t{k}" for k in range(3)]
-        task = r.choice(own + own + SHARED_TASKS + sorted(self.acked)[:3])
+        others = sorted(self.acked)[:3] + sorted(self.suspended)[:1] + sorted(self.ghosts)[:1]
+        task = r.choice(own + own + SHARED_TASKS + others)
         gpus = r.choice([1.0, 1.0, 2.0, 0.5, 0.25, 0.3333, 0.0, 1.5, 9.0])
         cpus = r.choice([0, 0, 1, 2] + ([0] if gpus else [1]))
         tenant = r.choice([None, None, None, "team", "lab", "nope"])
-        priority = r.choice([None, None, 10, 60, 80])
-        wait_ms = r.choice([0, 0, 0, 20, 200, 1000])
-        prefer: list[int | str] = r.choice(
-            [[], [], [], [0], [len(self.gpus) - 1], [], [], [0], [1 % len(self.gpus)], [7]]
-        )
-        held = self.acked.get(task)
+        ceiling = self.ceiling(c)  # often its highest: requests that may take lower ones back
+        priority = r.choice([None, None, 0, 0, 10, 60, 80, 100, ceiling, ceiling])
+        priority_class = r.choice([None, None, None, *p.PriorityClass]) if priority is None else None
+        wait_ms = r.choice([0, 0, 0, 20, 50, 200, 1000])
+        on_preempt = r.choice(list(p.Recovery))
+        gpus_max = None
+        if gpus in (1.0, 2.0) and r.random() < 0.3:
+            gpus_max = r.randint(int(gpus) + 1, n) if gpus < n and r.random() < 0.9 else r.randint(1, n + 1)
+        if on_preempt == p.Recovery.SHRINK and gpus_max is None and r.random() < 0.8:
+            on_preempt = p.Recovery.TERMINATE  # shrink is for elastic ranges (a few are refused)
+        prefer: list[int | str] = r.choice([[], [], [], [0], [n - 1], [], [], [0], [1 % n], [7]])
+        held = self.acked.get(task) or self.suspended.get(task)
         if held is not None and r.random() < 0.5:  # a repeat with the same terms (prefer, strategy, wait may differ)
-            gpus, cpus, tenant = held.share * len(held.gpus) / UNIT, len(held.cpus), held.tenant
-            priority = None if held.priority == 50 and r.random() < 0.5 else held.priority
-        msg = p.Allocate(
+            return msgspec.structs.replace(
+                held.again(c.rid(), wait_ms=wait_ms), prefer=prefer, strategy=r.choice(list(p.Strategy))
+            )
+        return p.Allocate(
             id=c.rid(),
             task_id=task,
             gpus=gpus,
@@ -1550,64 +2405,111 @@ class World:
             strategy=r.choice(list(p.Strategy)),
             tenant=tenant,
             priority=priority,
+            priority_class=priority_class,
             wait_ms=wait_ms,
+            on_preempt=on_preempt,
+            gpus_max=gpus_max,
+            protected=r.random() < 0.08,
+            notify=r.random() < 0.9,  # False: a one-shot gpuctl alloc, which does not listen for PREEMPT
         )
-        waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
-        owner_uid = (
-            self.acked[task].uid if task in self.acked else (waiting[task].info["uid"] if task in waiting else None)
-        )
-        member = self.config.tenants.get(tenant or "")
-        expected: p.ErrorCode | None = None
+
+    def allocate_refusal(self, c: Client, msg: p.Allocate, waiting: dict[str, Pending]) -> p.ErrorCode | None:
+        """How the daemon must refuse ``msg`` (None: it allocates, or the request waits), in the order
+        it checks: the task's owner, the tenant's members, the priority ceiling, protection, prefer,
+        the terms of what the task holds or waits for, the request's shape, the tenant."""
+        task, n = msg.task_id, len(self.gpus)
+        held = self.acked.get(task) or self.suspended.get(task)
+        ghost = self.ghosts.get(task)
+        owner_uid = held.uid if held else waiting[task].info["uid"] if task in waiting else ghost and ghost.uid
+        member = self.config.tenants.get(msg.tenant or "")
+        priority = None if msg.priority is None and msg.priority_class is None else asked_priority(msg)
+        gpus = round(msg.gpus * UNIT)
         if owner_uid is not None and owner_uid != c.uid and not c.admin:
-            expected = p.ErrorCode.PERMISSION_DENIED
-        elif (
+            return p.ErrorCode.PERMISSION_DENIED
+        if (
             member is not None
             and (member.uids or member.gids)
             and c.uid not in member.uids
             and c.gid not in member.gids
             and not c.admin
         ):
-            expected = p.ErrorCode.PERMISSION_DENIED
-        elif (priority or 0) > self.ceiling(c):
-            expected = p.ErrorCode.PERMISSION_DENIED
-        elif 7 in prefer:
-            expected = p.ErrorCode.UNKNOWN_GPU
-        elif held is not None:  # the same allocation again for the same terms, refused for others
-            same = (round(gpus * UNIT), cpus, tenant, 50 if priority is None else priority) == (
-                held.share * len(held.gpus),
-                len(held.cpus),
-                held.tenant,
-                held.priority,
-            )
-            expected = None if same else p.ErrorCode.INVALID
-        elif task in waiting:
-            expected = p.ErrorCode.INVALID
-        elif gpus in (1.5, 9.0) or (gpus == 0 and cpus == 0) or (gpus > len(self.gpus)):
-            expected = p.ErrorCode.INVALID
-        elif tenant == "nope":
-            expected = p.ErrorCode.UNKNOWN_TENANT
+            return p.ErrorCode.PERMISSION_DENIED
+        if (priority or 0) > self.ceiling(c):
+            return p.ErrorCode.PERMISSION_DENIED
+        if msg.existing and held is None:  # only the allocation the task holds, never a new one
+            return p.ErrorCode.UNKNOWN_TASK
+        if msg.protected and not c.admin:
+            return p.ErrorCode.PERMISSION_DENIED
+        if 7 in msg.prefer:
+            return p.ErrorCode.UNKNOWN_GPU
+        if held is not None:  # the same allocation again for the same terms, refused for others
+            return None if asked_terms(msg) == held.terms else p.ErrorCode.INVALID
+        if task in waiting:
+            return p.ErrorCode.INVALID
+        if ghost is not None:  # its wait outlived the daemon: the same terms take it up again
+            return None if asked_terms(msg) == ghost.terms else p.ErrorCode.INVALID
+        bad_shape = msg.gpus in (1.5, 9.0) or (gpus == 0 and msg.cpus == 0) or msg.gpus > n
+        if msg.gpus_max is not None:
+            bad_shape = bad_shape or gpus < UNIT or gpus % UNIT != 0 or msg.gpus_max <= gpus // UNIT or msg.gpus_max > n
+        elif msg.on_preempt == p.Recovery.SHRINK:
+            bad_shape = True
+        if bad_shape:
+            return p.ErrorCode.INVALID
+        if msg.tenant == "nope":
+            return p.ErrorCode.UNKNOWN_TENANT
+        return None
+
+    def allocate(self, c: Client, msg: p.Allocate | None = None) -> None:
+        msg = msg or self.draw_allocate(c)
+        task = msg.task_id
+        waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
+        expected = self.allocate_refusal(c, msg, waiting)
+        ghost = self.ghosts.get(task) if expected is None else None
+        suspended = expected is None and task in self.suspended
         cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
         pend = self.send(
-            c, msg, "ALLOCATE", uid=c.uid, client=c, expected=expected, injected=injected, waiting_tasks=sorted(waiting)
+            c,
+            msg,
+            "ALLOCATE",
+            uid=c.uid,
+            client=c,
+            expected=expected,
+            injected=injected,
+            waiting_tasks=sorted(waiting),
+            suspended=suspended,
         )
         if c.pending.get(pend.rid) is pend:
-            if wait_ms == 0:
+            if ghost is not None:  # it waits again, as the ledger kept it, for this connection
+                pend.deadline = max(ghost.answer_by, pend.info.get("answer_by", 0))
+                pend.info.update(rejoin=True, earliest=ghost.earliest, victims=True)
+                del self.ghosts[task]
+            elif msg.wait_ms == 0:
                 self.fail(f"client {c.cid}: ALLOCATE with wait_ms 0 was not answered at once")
-            pend.deadline = pend.sent_at + wait_ms * MS
-        if self.injected > injected:
+            else:
+                pend.info["earliest"] = pend.sent_at + msg.wait_ms * MS
+                pend.deadline = max(pend.info["earliest"], pend.info.get("answer_by", 0))
+            self.wait_priority[task] = (asked_priority(msg), msg.tenant)
+        if pend.info.get("store_failed"):
             self.check_rolled_back(cp, waiters, f"ALLOCATE {task}")
         self.after_event()
 
-    def free(self, c: Client) -> None:
+    def free(self, c: Client, task: str | None = None) -> None:
         r = self.rng
         waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
-        mine = sorted(t for t, a in self.acked.items() if a.uid == c.uid)
-        task = r.choice(mine + mine + mine + sorted(self.acked) + sorted(waiting) * 2 + ["never-allocated"])
-        alloc = self.acked.get(task)
+        if task is None:
+            mine = sorted(t for t, a in [*self.acked.items(), *self.suspended.items()] if a.uid == c.uid)
+            everyone = sorted(self.acked) + sorted(self.suspended)
+            task = r.choice(
+                mine + mine + mine + everyone + sorted(waiting) * 2 + sorted(self.ghosts) + ["never-allocated"]
+            )
+        alloc = self.acked.get(task) or self.suspended.get(task)
         waiter = waiting.get(task)
+        ghost = self.ghosts.get(task)
         expected: p.ErrorCode | None = None
-        if alloc is None and waiter is None:
+        if alloc is None and ghost is not None:  # a wait restored after a restart: its uid's to withdraw
+            expected = p.ErrorCode.PERMISSION_DENIED if ghost.uid != c.uid and not c.admin else None
+        elif alloc is None and waiter is None:
             expected = p.ErrorCode.UNKNOWN_TASK
         elif alloc is None:
             assert waiter is not None
@@ -1619,13 +2521,16 @@ class World:
                 expected = p.ErrorCode.PERMISSION_DENIED
         if waiter is not None and expected is None and alloc is None:
             waiter.info["withdrawn"] = True
+            self.wait_ended(waiter.info["client"], waiter)
+        if alloc is not None and alloc.notice is not None and expected is None:
+            self.yields_now.add(task)  # freed under a notice: that preemption is done
         cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
         pend = self.send(
             c, p.Free(id=c.rid(), task_id=task), "FREE", expected=expected, waiter=waiter, injected=injected
         )
         self.finish(c, pend)
-        if self.injected > injected:
+        if pend.info.get("store_failed"):
             self.check_rolled_back(cp, waiters, f"FREE {task}")
         self.after_event()
 
@@ -1778,11 +2683,13 @@ class World:
     def next_due(self) -> int | None:
         d = self.daemon
         times = [t for t in (s.scheduler.next_deadline() for s in d.slots) if t is not None]
-        ledger = d.allocations.ledger.next_deadline()
+        ledger = d.allocations.next_deadline()  # the ledger's, or when a change the store refused is tried again
         if ledger is not None:
             times.append(ledger)
         if self.agenda:
             times.append(self.agenda[0][0])
+        if self.woken:
+            times.append(self.now)
         return min(times, default=None)
 
     def advance(self, to: int) -> None:
@@ -1804,15 +2711,17 @@ class World:
                 fired.append(f"GPU {slot.gpu.index}")
                 tick_gpu(d, slot, self.now)
                 self.deliver()
-        deadline = d.allocations.ledger.next_deadline()
-        if deadline is not None and deadline <= self.now:
+        deadline = d.allocations.next_deadline()
+        if self.woken or (deadline is not None and deadline <= self.now):
             fired.append("allocations")
+            self.woken = False
             tick_allocations(d, self.now, reap=False)
+            self.booting = False
             self.deliver()
         if fired:
             self.event("timers: {}", ", ".join(fired))
             self.after_event()
-            deadline = d.allocations.ledger.next_deadline()
+            deadline = d.allocations.next_deadline()
             if deadline is not None and deadline <= self.now:
                 self.fail(f"an allocation deadline {self.now - deadline} us old is due but was not acted on")
             self.spins = self.spins + 1 if self.now == self.last_due else 0
@@ -1874,7 +2783,8 @@ class World:
             self.release_lease(c, lease_id)
 
     def later_reconnect(self, cid: int) -> None:
-        """The client library after the daemon came back: connect, HELLO, attach again."""
+        """The client library after the daemon came back: connect, HELLO, ask again for the
+        allocations it holds and the waits it had (a runner's way), attach again."""
         c = self.clients[cid - 1]
         if c.conn is not None or not c.alive:
             return
@@ -1883,6 +2793,12 @@ class World:
             self.later(self.now + self.rng.randrange(MS, 50 * MS), "reconnect", cid)
             c.intents = intents
             return
+        again, c.alloc_intents = c.alloc_intents, []
+        for m in again:
+            if c.conn is None or not c.greeted:
+                return
+            if self.rng.random() < 0.8:
+                self.allocate(c, msgspec.structs.replace(m, id=c.rid()))
         for intent in intents:
             if c.conn is None or not c.greeted:
                 return
@@ -1919,6 +2835,9 @@ class World:
         ("crash_client", 1.2),
         ("crash_daemon", 0.35),
         ("restart_daemon", 0.15),
+        ("yield", 0.4),
+        ("contend", 5),
+        ("crash_preempting", 1.5),
     ]
 
     def run(self) -> None:
@@ -1931,9 +2850,13 @@ class World:
                 for self.step_no in range(1, self.steps + 1):  # noqa: B020 - the step number is state the trace reads
                     step = self.rng.choices(names, weights)[0]
                     getattr(self, "do_" + step)()
+                    if self.woken:  # the allocations' timer was woken: it runs now
+                        self.advance(self.now)
                     if self.step_no % 50 == 0:
                         self.check_fresh_store()
                 self.check_fresh_store()
+                for a in [*self.acked.values(), *self.suspended.values()]:
+                    self.retire(a)
             finally:
                 with contextlib.suppress(Exception):
                     self.daemon.allocations.store.close()
@@ -2064,8 +2987,9 @@ class World:
         r = self.rng
         gpu = r.choice([None, r.randrange(len(self.gpus))])
         off = [gm.index for gm in self.gpus if not gm.enabled]
-        op = r.choices(["mode", "tq", "sched", "policy", "reset"], [4, 2, 2, 2, 0.4])[0]
+        op = r.choices(["mode", "tq", "sched", "policy", "reset", "drain", "protect"], [4, 2, 2, 2, 0.4, 1.2, 1.2])[0]
         rid = c.rid()
+        info: dict[str, Any] = {}
         if op == "mode":
             msg: Any = p.SetMode(id=rid, mode=r.choice(list(p.Mode)), gpu=gpu)
         elif op == "tq":
@@ -2082,6 +3006,17 @@ class World:
                 hold_max_ms=r.choice([None, 20]),
                 busy_policy=r.choice([None, *p.BusyPolicy]),
             )
+        elif op == "drain":
+            g = r.randrange(len(self.gpus))
+            on = g not in self.draining if r.random() < 0.8 else r.random() < 0.5
+            ref: int | str = g if r.random() < 0.7 else r.choice([f"gpu:{g}", self.daemon.slots[g].gpu.uuid])
+            msg = p.Drain(id=rid, gpu=ref, on=on)
+            info["gpu"] = g
+            # Its notices (on), or grants on the GPU (off), may be read before the admin reads its OK.
+            (self.drain_now if on else self.undrain_now).add(g)
+        elif op == "protect":
+            task = r.choice([*sorted(self.acked)[:4], *sorted(self.suspended)[:1], "never-allocated"])
+            msg = p.Protect(id=rid, task_id=task, protected=r.random() < 0.7)
         else:
             msg = p.ResetAllocations(id=rid)
         kind = str(msg.__struct_config__.tag)
@@ -2090,10 +3025,10 @@ class World:
             dict(self.daemon.allocations.waiters),
             self.injected,
         )
-        pend = self.send(c, msg, kind, tasks=sorted(self.acked), injected=injected)
+        pend = self.send(c, msg, kind, tasks=sorted(self.acked) + sorted(self.suspended), injected=injected, **info)
         self.finish(c, pend)
-        if self.injected > injected:
-            self.check_rolled_back(cp, waiters, "RESET_ALLOCS")
+        if pend.info.get("store_failed") or (kind == "RESET_ALLOCS" and self.injected > injected):
+            self.check_rolled_back(cp, waiters, kind)
         self.after_event()
 
     def answer_reset_allocs(self, c: Client, pend: Pending, msg: Any) -> None:
@@ -2213,6 +3148,7 @@ class World:
     def restart(self, *, grace_us: int) -> None:
         old = self.daemon
         old.allocations.store.close()
+        waits = {q.msg.task_id: (c, q) for c in self.clients for q in self.waits_of(c)}
         for c in self.clients:
             if c.conn is not None:
                 self.closed_conns.append(c.conn)
@@ -2224,8 +3160,12 @@ class World:
         self.now += self.rng.choice([0, 100, 5 * MS])
         self.daemon = self.build_daemon(grace_us)
         self.event("a new daemon starts (restart grace {} us)", grace_us)
+        self.restored(waits)
         self.check_fresh_store()
+        self.booting = True
         self.after_event()
+        self.advance(self.now)  # the new daemon's timers run at once: what fell due while it was down
+        self.booting = False
 
     # --- the checks ---------------------------------------------------------------------------------
 
@@ -2236,6 +3176,11 @@ class World:
         self._last_grants = list(self.grants_now)
         self.note_grants()
         self.check()
+        self.yields_now.clear()
+        self.withdrawals_now.clear()
+        self.waits_ended_now.clear()
+        self.drain_now.clear()
+        self.undrain_now.clear()
         self.parks_now.clear()
         self.lease_timeouts_now.clear()
         self.lost_now = False
@@ -2284,7 +3229,8 @@ class World:
             self.check_gpu(slot, sessions[g], leases[g], waiting_on[g])
         for c in self.clients:
             for q in c.pending.values():
-                if q.deadline is not None and now > q.deadline:
+                late = now - q.deadline if q.deadline is not None else 0
+                if late > 0 and not (q.kind == "ALLOCATE" and self.retrying() and late <= MAX_LATE_US):
                     self.fail(
                         f"client {c.cid}: {short(q.msg)} sent at {q.sent_at} still unanswered "
                         f"{now - q.deadline} us after its deadline"
@@ -2546,37 +3492,62 @@ class World:
         gm.window_seen = ws
 
     def check_allocations(self) -> None:
+        """Allocations: what nobody was told carried out on the model (``reconcile``); then the
+        ledger, the allocator and the store agree exactly with the model (allocations with their
+        notices, suspended allocations, waits, holders, drained GPUs, preemption history); no device
+        is held twice; a tenant stays within its quota; a waiter that fits is served; a draining GPU's
+        allocations that can be told have been."""
         d = self.daemon
         alloc, led = d.allocations, d.allocations.ledger
-        ledger = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant) for a in led.allocations()}
-        model = {t: (a.gpus, a.share, a.cpus, a.tenant) for t, a in self.acked.items()}
+        self.reconcile()
+        ledger = {a.task_id: self.shape(a) for a in led.allocations()}
+        model = {t: self.shape(a) for t, a in self.acked.items()}
         if ledger != model:
             self.fail(f"the ledger {ledger} is not what was acknowledged {model}")
-        uids = {t: a.uid for t, a in self.acked.items()}
-        if alloc.uids != uids:
+        suspended = {a.task_id: self.shape(a) for a in led.suspended()}
+        if suspended != {t: self.shape(a) for t, a in self.suspended.items()}:
+            self.fail(f"the ledger's suspended allocations {suspended} are not the model's {sorted(self.suspended)}")
+        holders = {t: a.holder for t, a in [*self.acked.items(), *self.suspended.items()] if a.holder is not None}
+        if alloc.holders != holders or led.reachable != set(holders):
+            self.fail(
+                f"the connections told of preemptions {[(t, c.client_id) for t, c in alloc.holders.items()]} "
+                f"(reachable {sorted(led.reachable)}) are not the ones that last got ALLOCATED "
+                f"{[(t, c.client_id) for t, c in holders.items()]}"
+            )
+        if set(led.draining()) != self.draining or {s.gpu.index for s in d.slots if s.draining} != self.draining:
+            self.fail(f"the daemon drains GPUs {sorted(led.draining())}, admins were told {sorted(self.draining)}")
+        if led._history != self.history:
+            self.fail(f"the ledger's preemption history {led._history} is not the model's {self.history}")
+        uids = {t: a.uid for t, a in [*self.acked.items(), *self.suspended.items()]}
+        if {t: u for t, u in alloc.uids.items() if t in uids} != uids:
             self.fail(f"the allocator's owners {alloc.uids} are not the acknowledged {uids}")
+        want = self.durable_model(model)
         stored = self.stored_allocations()
-        want = {t: (a.gpus, a.share, a.cpus, a.tenant, a.uid) for t, a in self.acked.items()}
-        if stored != want:
-            self.fail(f"the store holds {stored}, not what was acknowledged {want}")
+        if stored != want and not self.behind():
+            self.fail(f"the store holds {self.diff(stored, want)}")
+        self.stats["events with the store behind (a withdrawal not stored yet)"] += stored != want
+        if (self.unstored_notices or self.unstored_waits) and not self.behind():
+            self.unstored_notices.clear()
+            self.unstored_waits.clear()
         waits = {q.msg.task_id for q in self.all_pending("ALLOCATE") if q.deadline is not None}
-        if set(alloc.waiters) != waits or {r.task_id for r in led.waiting()} != waits:
+        if set(alloc.waiters) != waits or {r.task_id for r in led.waiting()} != waits | set(self.ghosts):
             self.fail(
                 f"allocation waiters: allocator {sorted(alloc.waiters)}, ledger "
-                f"{sorted(r.task_id for r in led.waiting())}, clients {sorted(waits)}"
+                f"{sorted(r.task_id for r in led.waiting())}, clients {sorted(waits)}, restored {sorted(self.ghosts)}"
             )
-        for slot in d.slots:
-            g = slot.gpu.index
-            free, tasks = led.gpu_free(g), led.gpu_tasks(g)
-            if not 0 <= free <= UNIT or free + sum(tasks.values()) != UNIT:
-                self.fail(f"GPU {g}: free {free} and tasks {tasks} do not add up to one GPU")
-        cores = [x for a in self.acked.values() for x in a.cpus]
-        if (
-            len(cores) != len(set(cores))
-            or set(cores) & set(led.cpus_free())
-            or len(cores) + len(led.cpus_free()) != SIM_CPUS
-        ):
-            self.fail(f"CPU cores: allocated {sorted(cores)}, free {led.cpus_free()}")
+        for a in self.acked.values():  # a drain tells everyone it can (the timer's next tick at the latest)
+            if a.holder and not a.notice and set(a.gpus) & self.draining and not (self.awake() or self.retrying()):
+                self.fail(
+                    f"{a.task_id} on GPUs {a.gpus} is held by a live connection, GPUs {sorted(self.draining)} "
+                    "drain, and it has no notice"
+                )
+        # The rest depends only on the allocations, the waits, the drains and the GPUs kept for waiters:
+        # judged again only when one of them changed.
+        placed = (led, ledger, [r.task_id for r in led.waiting()], led.draining(), dict(getattr(led, "_reserved", {})))
+        if placed == self._placed:
+            return
+        self._placed = placed
+        self.check_devices()
         for name, t in self.config.tenants.items():
             used = sum(len(a.gpus) * a.share for a in self.acked.values() if a.tenant == name)
             if used > round((t.gpus + t.borrow) * UNIT):
@@ -2594,6 +3565,82 @@ class World:
                 self.fail(f"allocation {req.task_id} still waits though it fits now")
             self.stats["allocation waiters probed"] += 1
 
+    def check_devices(self) -> None:
+        """No device is held by two allocations: the model's allocations share no CPU core and no
+        GPU beyond its whole, and the ledger's books say the same (free + held = one GPU, all cores)."""
+        led = self.daemon.allocations.ledger
+        on: list[dict[str, int]] = [{} for _ in self.gpus]
+        for t, a in self.acked.items():
+            for g in a.gpus:
+                on[g][t] = a.share
+        for gm, mine in zip(self.gpus, on, strict=True):
+            free, tasks = led.gpu_free(gm.index), led.gpu_tasks(gm.index)
+            if (
+                sum(mine.values()) > UNIT
+                or tasks != mine
+                or free + sum(tasks.values()) != UNIT
+                or not 0 <= free <= UNIT
+            ):
+                self.fail(f"GPU {gm.index}: held by {mine} (the ledger: {tasks}, free {free}): held twice")
+        cores = [x for a in self.acked.values() for x in a.cpus]
+        if (
+            len(cores) != len(set(cores))
+            or set(cores) & set(led.cpus_free())
+            or len(cores) + len(led.cpus_free()) != SIM_CPUS
+        ):
+            self.fail(f"CPU cores: allocated {sorted(cores)}, free {led.cpus_free()}")
+
+    @staticmethod
+    def shape(a: Any) -> tuple[Any, ...]:
+        """What the model and the ledger must agree on for an allocation (``Acked`` or ``Allocation``)."""
+        created = a.created if isinstance(a, Acked) else a.created_us
+        changed = a.changed if isinstance(a, Acked) else a.changed_us
+        return (
+            a.gpus, a.share, a.cpus, a.tenant, a.priority, a.on_preempt, a.gpus_min, a.gpus_max, a.protected,
+            a.preemptions, a.resume, created, changed,
+        )  # fmt: skip
+
+    def durable_model(self, shapes: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+        """What the store must hold, per task id (see ``durable``); ``shapes``: the allocations' shapes
+        if they are at hand."""
+        out: dict[str, Any] = {}
+        for t, a in self.acked.items():
+            n = a.notice
+            notice = n and (n.reason, n.gpus, n.whole, n.by, n.issued, n.deadline)
+            out[t] = ("held", a.uid, shapes[t] if shapes is not None else self.shape(a), notice)
+        for t, a in self.suspended.items():
+            out[t] = ("suspended", a.uid, self.shape(a))
+        for c in self.clients:
+            for q in self.waits_of(c):
+                if q.info.get("victims"):
+                    out[q.msg.task_id] = ("waits", asked_terms(q.msg)[3])
+        for t, g in self.ghosts.items():
+            out[t] = ("waits", g.terms[3])
+        for t, (n, resume) in self.history.items():
+            out.setdefault(t, ("history", n, resume))
+        return out
+
+    def durable(self, records: list[tuple[Any, int]]) -> dict[str, Any]:
+        """The store's records as ``durable_model`` says them."""
+        out: dict[str, Any] = {}
+        for rec, uid in records:
+            if rec.allocation is not None:
+                n = rec.notice
+                notice = n and (n.reason, n.gpus, n.whole, n.by, n.issued, n.deadline)
+                out[rec.task_id] = ("held", uid, self.shape(rec.allocation), notice)
+            elif rec.suspended is not None:
+                out[rec.task_id] = ("suspended", uid, self.shape(rec.suspended))
+            elif rec.waiting is not None:
+                out[rec.task_id] = ("waits", rec.waiting.priority)
+            else:
+                out[rec.task_id] = ("history", rec.preemptions, rec.resume)
+        return out
+
+    @staticmethod
+    def diff(got: dict[str, Any], want: dict[str, Any]) -> str:
+        keys = sorted(set(got) | set(want))
+        return "; ".join(f"{k}: {got.get(k)} (expected {want.get(k)})" for k in keys if got.get(k) != want.get(k))
+
     def stored_allocations(self) -> dict[str, Any]:
         """What the daemon's store holds, read back. Read again only when the store's connection
         has changed rows since the last reading (SQLite's ``total_changes``) or the store is
@@ -2601,22 +3648,25 @@ class World:
         store = self.daemon.allocations.store
         changes = store._db.total_changes
         if self._stored is None or self._stored[0] is not store or self._stored[1] != changes:
-            records = store.load().records
-            self._stored = (store, changes, {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in records})
+            self._stored = (store, changes, self.durable(store.load().records))
         return self._stored[2]
 
     def check_fresh_store(self) -> None:
-        """What a new daemon would read: exactly the acknowledged allocations."""
+        """What a new daemon would read: exactly what was acknowledged (allocations with their
+        notices, suspended allocations, waits that had victims, preemption history)."""
         self._stored = None  # another connection opens the file: read it afresh next time too
         store = Store(self.state_dir)
         try:
             loaded = store.load()
         finally:
             store.close()
-        got = {a.task_id: (a.gpus, a.share, a.cpus, a.tenant, uid) for a, uid in loaded.records}
-        want = {t: (a.gpus, a.share, a.cpus, a.tenant, a.uid) for t, a in self.acked.items()}
-        if got != want or loaded.unreadable:
-            self.fail(f"read back from the store: {got} (unreadable {loaded.unreadable}), acknowledged {want}")
+        got, want = self.durable(loaded.records), self.durable_model()
+        behind = self.behind() if got != want else False
+        if (got != want and not behind) or loaded.unreadable or sorted(loaded.draining) != sorted(self.draining):
+            self.fail(
+                f"read back from the store: {self.diff(got, want)} (unreadable {loaded.unreadable}, "
+                f"draining {loaded.draining}, expected {sorted(self.draining)})"
+            )
 
 
 def held_leases(leases: list[tuple[Client, LeaseM]]) -> set[int]:
@@ -2634,6 +3684,25 @@ class Outcome:
     events: int
     seconds: float
     stats: Counter[str] = field(default_factory=Counter)
+    victims: list[tuple[int, int, int, int]] = field(default_factory=list)  # see World.victims
+
+
+def thrash(victims: list[tuple[int, int, int, int]]) -> str:
+    """The thrash figures: PREEMPT notices per victim (an allocation told to leave at least once), per
+    victim per simulated hour of its life, withdrawn; and the most one victim got against its bound
+    (the simulated time / preemption_cooldown + 2 that fails a seed)."""
+    if not victims:
+        return "thrash: no allocation was told to leave"
+    notices = sum(v[0] for v in victims)
+    withdrawn = sum(v[1] for v in victims)
+    hours = sum(v[2] for v in victims) / 3.6e9
+    most = max(victims, key=lambda v: (v[0] / v[3], v[0]))
+    return (
+        f"thrash: {len(victims)} victims got {notices} PREEMPT notices ({notices / len(victims):.2f} each, at most "
+        f"{max(v[0] for v in victims)}), {withdrawn} withdrawn ({withdrawn / notices:.0%}); "
+        f"{notices / hours:.0f} per victim per simulated hour of its life; the closest to its bound: "
+        f"{most[0]} of {most[3]}"
+    )
 
 
 def command(seed: int, steps: int) -> str:
@@ -2659,8 +3728,8 @@ def run_seed(seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, st
                 f"reproduce: {command(seed, steps)}",
             ]
         )
-        return Outcome(seed, False, report, world.events, time.perf_counter() - began, world.stats)
-    return Outcome(seed, True, "", world.events, time.perf_counter() - began, world.stats)
+        return Outcome(seed, False, report, world.events, time.perf_counter() - began, world.stats, world.victims)
+    return Outcome(seed, True, "", world.events, time.perf_counter() - began, world.stats, world.victims)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2679,10 +3748,12 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[Outcome] = []
     events = 0
     stats: Counter[str] = Counter()
+    victims: list[tuple[int, int, int, int]] = []
     for seed in seeds:
         out = run_seed(seed, args.steps, verbose=args.verbose, strict=args.strict)
         events += out.events
         stats += out.stats
+        victims += out.victims
         if not out.ok:
             failed.append(out)
             if len(failed) <= 3:
@@ -2692,6 +3763,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stats:
         for name, count in sorted(stats.items()):
             print(f"{count:>9}  {name}")
+    print(thrash(victims))
     print(
         f"{len(seeds)} seed(s) x {args.steps} steps: {len(seeds) - len(failed)} passed, {len(failed)} failed; "
         f"{events} events in {took:.1f} s"
