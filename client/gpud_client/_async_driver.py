@@ -6,7 +6,9 @@ waiters through one ``asyncio.Event`` that is replaced at each notification.
 So a client belongs to the loop it was connected on, and hears the daemon only
 while that loop runs. User hooks may be plain callables or coroutine functions;
 a push's hooks run in a task of their own (never in the reader), a slice's own
-end awaits them. The idle sweep is one timer handle on the loop.
+end awaits them. Allocation listeners are called in the reader task, in the order
+the pushes came; one that returns an awaitable has it run as a task of its own.
+The idle sweep is one timer handle on the loop.
 
 This module must never block the loop (no blocking socket, no sleep, no
 thread), let a hook's exception reach the reader task, or leave a lock
@@ -32,8 +34,10 @@ from gpud_client.connection import Inbox, unreachable
 from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
 from gpud_client.core.actions import (
     Action,
+    AllocationPush,
     ApplyMemoryLimit,
     ArmIdle,
+    CallAllocationListeners,
     CallOnDrop,
     CallOnLost,
     CallOnPark,
@@ -119,6 +123,7 @@ class AsyncDriver(ClientBase):
         self._wire: Wire | None = None
         self._reader: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._listeners: list[Callable[[AllocationPush], Any]] = []
 
     async def _start(self) -> None:
         await self._open()
@@ -234,7 +239,7 @@ class AsyncDriver(ClientBase):
                     (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark():
+                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark() | CallAllocationListeners():
                     hooks.append(a)
         return hooks
 
@@ -254,6 +259,32 @@ class AsyncDriver(ClientBase):
                     await _call(s.on_lost, error)
                 case CallOnPark(session=s):
                     await _call(s.on_park)
+                case CallAllocationListeners(push=push):
+                    self._tell_listeners(push)
+
+    def _dispatch(self, hooks: list[Hook]) -> None:
+        """In the reader: allocation pushes go to the listeners now, in order; the sessions' hooks run in
+        a task of their own."""
+        rest: list[Hook] = []
+        for h in hooks:
+            if isinstance(h, CallAllocationListeners):
+                self._tell_listeners(h.push)
+            else:
+                rest.append(h)
+        if rest:
+            self._spawn_hooks(rest)
+
+    def _tell_listeners(self, push: AllocationPush) -> None:
+        for listener in list(self._listeners):
+            try:
+                result = listener(push)
+            except Exception:
+                log.exception("gpud client allocation listener %s failed", getattr(listener, "__qualname__", listener))
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(_awaited(result, listener))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     def _spawn_hooks(self, hooks: list[Hook]) -> None:
         task = asyncio.ensure_future(self._run_hooks(hooks))
@@ -322,7 +353,7 @@ class AsyncDriver(ClientBase):
                         msg = await wire.recv()
                         hooks = self._carry_out(self._core.receive(msg, self._now()))
                         if hooks:
-                            self._spawn_hooks(hooks)
+                            self._dispatch(hooks)
                 except GpudError as exc:
                     self._lost(wire, str(exc))
                 except Exception as exc:  # a bug here must not leave the client deaf: start afresh
@@ -363,3 +394,11 @@ async def _call(hook: Callable[..., Awaitable[None] | None] | None, *args: Any) 
             await result
     except Exception:
         log.exception("gpud client hook %s failed", getattr(hook, "__qualname__", hook))
+
+
+async def _awaited(result: Awaitable[Any], listener: object) -> None:
+    """What a coroutine listener returned, run to its end in a task of its own; a failure is logged."""
+    try:
+        await result
+    except Exception:
+        log.exception("gpud client allocation listener %s failed", getattr(listener, "__qualname__", listener))

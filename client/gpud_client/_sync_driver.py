@@ -5,7 +5,10 @@ client's lock; the idle thread gives back locks unused for ``idle_release``.
 User hooks (``on_drop``, ``synchronize``, ``on_lost``) never run on the reader
 nor under the lock: a slice's own end runs them in its thread, a push's run in
 a thread of their own, so a slow hook delays no push and a hook may call the
-client. A write that fails shuts the socket; the reader then sees the end and
+client. Allocation listeners are the exception: they run on the reader (never
+under the lock), so each sees an allocation's pushes in the order they came; a
+listener must be short (hand the push on, e.g. to a queue), and must not wait
+for an answer of this client, which only the reader could read. A write that fails shuts the socket; the reader then sees the end and
 tells the core. Nothing here decides anything: ``gpud_client.core`` does.
 """
 
@@ -26,8 +29,10 @@ from gpud_client.connection import Connection
 from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
 from gpud_client.core.actions import (
     Action,
+    AllocationPush,
     ApplyMemoryLimit,
     ArmIdle,
+    CallAllocationListeners,
     CallOnDrop,
     CallOnLost,
     CallOnPark,
@@ -55,6 +60,8 @@ class SyncDriver(ClientBase):
         self._send_lock = threading.Lock()
         self._closing = threading.Event()
         self._conn: Connection | None = None
+        # Replaced, never changed in place: the reader iterates over the tuple it read.
+        self._listeners: tuple[Callable[[AllocationPush], Any], ...] = ()
         self._open()
         self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
         self._reader.start()
@@ -172,7 +179,7 @@ class SyncDriver(ClientBase):
                     (s.memory_cap or cap_memory)(limit)
                 case Log(level=level, text=text):
                     log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark():
+                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark() | CallAllocationListeners():
                     hooks.append(a)
         return hooks
 
@@ -193,6 +200,35 @@ class SyncDriver(ClientBase):
                     _call(s.on_lost, error)
                 case CallOnPark(session=s):
                     _call(s.on_park)
+                case CallAllocationListeners(push=push):
+                    self._tell_listeners(push)
+
+    def _dispatch(self, hooks: list[Hook]) -> None:
+        """On the reader: allocation pushes go to the listeners here, in order; the sessions' hooks run
+        in a thread of their own."""
+        rest: list[Hook] = []
+        for h in hooks:
+            if isinstance(h, CallAllocationListeners):
+                self._tell_listeners(h.push)
+            else:
+                rest.append(h)
+        if rest:
+            threading.Thread(target=self._run_hooks, args=(rest,), daemon=True).start()
+
+    def _tell_listeners(self, push: AllocationPush) -> None:
+        for listener in self._listeners:
+            _call(listener, push)
+
+    def _add_listener(self, listener: Callable[[AllocationPush], Any]) -> None:
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def _remove_listener(self, listener: Callable[[AllocationPush], Any]) -> None:
+        with self._lock:
+            mine = list(self._listeners)
+            if listener in mine:
+                mine.remove(listener)
+            self._listeners = tuple(mine)
 
     def _write(self, data: bytes, conn: Connection | None) -> None:
         if conn is None:
@@ -234,7 +270,7 @@ class SyncDriver(ClientBase):
                         with self._lock:
                             hooks = self._carry_out(self._core.receive(msg, time.monotonic()))
                         if hooks:
-                            threading.Thread(target=self._run_hooks, args=(hooks,), daemon=True).start()
+                            self._dispatch(hooks)
                 except GpudError as exc:
                     self._lost(conn, str(exc))
                 except Exception as exc:  # a bug here must not leave the client deaf: start afresh

@@ -37,6 +37,7 @@ import msgspec
 from gpud_client import protocol as p
 from gpud_client._async_driver import AsyncDriver
 from gpud_client.core import SessionState
+from gpud_client.core.actions import AllocationPush
 from gpud_client.core.messages import acquire_msg, acquire_timeout, allocate_msg, policy_msg, size
 from gpud_client.errors import LockLost
 from gpud_client.frameworks import default_memory_cap, default_memory_probe
@@ -309,12 +310,58 @@ class AsyncClient(AsyncDriver):
         priority: int | p.PriorityClass | str | None = None,
         wait_ms: int = 0,
         owner_pid: int | None = None,
+        on_preempt: p.Recovery | str = "terminate",
+        gpus_max: int | None = None,
+        protected: bool = False,
     ) -> p.Allocated:
         """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises ProtocolError ``insufficient``
-        when the node cannot hold it (after waiting up to ``wait_ms`` in the priority queue)."""
-        msg = allocate_msg(task_id, gpus, cpus, prefer, strategy, tenant, priority, wait_ms, owner_pid)
+        when the node cannot hold it (after waiting up to ``wait_ms`` in the priority queue).
+        ``on_preempt``: what this client does when gpud takes it back (a ``Recovery``; listen with
+        ``add_allocation_listener``); ``gpus_max``: elastic, ``gpus`` whole GPUs at least and up to
+        this many; ``protected`` (admin): never preempted."""
+        msg = allocate_msg(
+            task_id,
+            gpus,
+            cpus,
+            prefer,
+            strategy,
+            tenant,
+            priority,
+            wait_ms,
+            owner_pid,
+            on_preempt=on_preempt,
+            gpus_max=gpus_max,
+            protected=protected,
+            notify=bool(self._listeners),  # told only if something listens: else its owner is signalled
+        )
         reply: p.Allocated = await self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)
         return reply
+
+    async def yield_allocation(self, task_id: str) -> None:
+        """YIELD: this holder did what gpud's PREEMPT asked (the program ended, was suspended, or let
+        the named GPUs go); the devices go back now, not at the grace's end."""
+        await self.call(p.Yield(id=0, task_id=task_id))
+
+    async def protect(self, task_id: str, protected: bool = True) -> None:
+        """Admin: the allocation of ``task_id`` is never preempted (or is preemptible again)."""
+        await self.call(p.Protect(id=0, task_id=task_id, protected=protected))
+
+    async def drain(self, gpu: int | str, on: bool = True) -> None:
+        """Admin: no new grants on ``gpu`` and its allocations preempted with their recovery (``on``),
+        or the GPU back in service."""
+        await self.call(p.Drain(id=0, gpu=gpu, on=on))
+
+    async def add_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+        """Call ``listener(push)`` with each PREEMPT, PREEMPT_WITHDRAWN, ALLOC_REVOKED and ALLOC_CHANGED
+        this connection gets, for any task. It is called in the client's reader task, in the order the
+        pushes came; a coroutine function's coroutine runs as a task of its own. One that raises is
+        logged; the reader goes on."""
+        self._listeners.append(listener)
+
+    async def remove_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+        """Stop calling ``listener``; nothing happens if it was not added."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     async def release_allocation(self, task_id: str) -> None:
         await self.call(p.Free(id=0, task_id=task_id))

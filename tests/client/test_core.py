@@ -30,6 +30,7 @@ from gpud_client.core.actions import (
     Action,
     ApplyMemoryLimit,
     ArmIdle,
+    CallAllocationListeners,
     CallOnDrop,
     CallOnLost,
     GiveBack,
@@ -39,7 +40,7 @@ from gpud_client.core.actions import (
     Resolve,
     Send,
 )
-from gpud_client.core.messages import acquire_msg
+from gpud_client.core.messages import acquire_msg, allocate_msg
 from gpud_client.errors import (
     DaemonUnavailable,
     GpudError,
@@ -1032,6 +1033,99 @@ def test_memory_is_not_reported_while_unattached_and_afresh_after_the_reattach()
     assert no_id(d.take()) == [p.MemUpdate(id=0, session=s.id, used_bytes=100 * MiB)]
 
 
+# --- preemption: allocation pushes and the requests about allocations -----------------
+
+
+def allocated(task_id: str = "job", gpus: list[int] | None = None) -> p.Allocated:
+    gpus = [0] if gpus is None else gpus
+    return p.Allocated(
+        id=0,
+        task_id=task_id,
+        gpus=gpus,
+        uuids=[f"GPU-{g}" for g in gpus],
+        share=1.0,
+        cpus=[],
+        cuda_visible_devices=",".join(map(str, gpus)),
+        tenant=None,
+        priority=10,
+        owner_pid=None,
+    )
+
+
+PUSHES = [
+    p.Preempt(
+        task_id="job",
+        reason=p.PreemptReason.PRIORITY,
+        recovery=p.Recovery.CHECKPOINT,
+        gpus=[0],
+        whole=True,
+        grace_s=30.0,
+        by="urgent",
+    ),
+    p.Preempt(
+        task_id="job",
+        reason=p.PreemptReason.ELASTIC,
+        recovery=p.Recovery.SHRINK,
+        gpus=[1],
+        whole=False,
+        grace_s=5.0,
+        by="other",
+    ),
+    p.PreemptWithdrawn(task_id="job"),
+    p.AllocRevoked(task_id="job", reason=p.PreemptReason.DRAIN, state=p.AllocState.SUSPENDED, gone=False),
+    p.AllocRevoked(task_id="job", reason=p.PreemptReason.PRIORITY, state=p.AllocState.RUNNING, gone=True),
+    p.AllocChanged(change="resumed", allocation=allocated()),
+    p.AllocChanged(change="shrunk", allocation=allocated(gpus=[0])),
+]
+
+
+@pytest.mark.parametrize("push", PUSHES, ids=lambda m: type(m).__name__)
+def test_an_allocation_push_goes_to_the_listeners_as_it_came_and_sends_nothing(push: msgspec.Struct) -> None:
+    d = Script()
+    d.take()
+    actions = d.push(push)
+    assert [a for a in actions if not isinstance(a, Log)] == [CallAllocationListeners(wire(push))]
+    assert [a.level for a in actions if isinstance(a, Log)] == [Level.INFO]  # said once, for the log
+    assert d.take() == []
+
+
+def test_allocation_pushes_change_no_session_and_pass_while_a_slice_holds() -> None:
+    d = Script()
+    s = d.session()
+    d.hold(s)
+    for push in PUSHES:
+        assert CallAllocationListeners(wire(push)) in d.push(push)
+    assert state(s) == "holding" and s.in_slice and d.take() == []
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [p.Yield(id=0, task_id="job"), p.Protect(id=0, task_id="job", protected=False), p.Drain(id=0, gpu=1, on=True)],
+    ids=lambda m: type(m).__name__,
+)
+def test_yield_protect_and_drain_are_answered_ok_like_any_request(msg: msgspec.Struct) -> None:
+    d = Script()
+    sent = decode(d.core.start(msg, w := Waiter("req")))
+    assert no_id([sent]) == [msg]
+    assert d.push(p.Ok(id=sent.id)) == [Resolve(w)]
+    assert d.core.finish(sent.id) == p.Ok(id=sent.id)
+    refused = decode(d.core.start(msg, w := Waiter("again")))
+    assert d.push(p.Error(id=refused.id, code=p.ErrorCode.UNKNOWN_TASK, message="no task job")) == [Resolve(w)]
+    with pytest.raises(ProtocolError, match="no task job") as exc:
+        d.core.finish(refused.id)
+    assert exc.value.code == p.ErrorCode.UNKNOWN_TASK and d.core.requests.pending == {}
+
+
+def test_allocate_msg_carries_the_recovery_the_range_and_protection() -> None:
+    old = allocate_msg("job", 0.5, 2, None, "first_fit", None, "spot", 100, 42)  # an existing caller's
+    assert old.on_preempt == p.Recovery.TERMINATE and old.gpus_max is None and not old.protected
+    assert old.priority_class == p.PriorityClass.SPOT and old.gpus == 0.5
+    new = allocate_msg("job", 2, 0, [1], "best_fit", "t", 50, 0, None, on_preempt="suspend", gpus_max=4, protected=True)
+    assert (new.on_preempt, new.gpus, new.gpus_max, new.protected) == (p.Recovery.SUSPEND, 2.0, 4, True)
+    with pytest.raises(ValueError, match="'pause' is not a valid Recovery"):
+        allocate_msg("job", 1, 0, None, "first_fit", None, None, 0, None, on_preempt="pause")
+
+
 # --- size --------------------------------------------------------------------------
 
 
@@ -1637,3 +1731,44 @@ def test_the_messages_before_an_oversized_frame_are_read_before_its_error() -> N
         inbox.pop()
     assert caught.value.code == p.ErrorCode.FRAME_TOO_LARGE
     assert inbox  # the stream stays broken: a reader that looks again gets the error again
+
+
+# --- allocations held again after a reconnect ------------------------------------------------
+
+
+def allocated_for(ask: p.Allocate, gpus: list[int]) -> p.Allocated:
+    return p.Allocated(
+        id=ask.id,
+        task_id=ask.task_id,
+        gpus=gpus,
+        uuids=[f"GPU-{g}" for g in gpus],
+        share=1.0,
+        cpus=[],
+        cuda_visible_devices=",".join(map(str, gpus)),
+        tenant=None,
+        priority=10,
+        owner_pid=None,
+    )
+
+
+def test_a_reconnect_holds_the_clients_allocations_again_and_tells_of_one_gone() -> None:
+    """After a lost connection the client says it still holds what it allocated (``existing``: never
+    a new allocation), so gpud tells it of their preemption again; one gone meanwhile is told to the
+    listeners as revoked."""
+    d = Script()
+    for task in ("train", "etl", "done"):
+        ask = d.record(d.core.start(allocate_msg(task, 1, 0, None, "first_fit", None, 10, 5000, None), Waiter(task)))
+        d.push(allocated_for(ask, [0]))
+    free = d.record(d.core.start(p.Free(id=0, task_id="done"), Waiter("free")))
+    d.push(p.Ok(id=free.id))
+    d.lose()
+    d.connect()
+    again = [m for m in d.take() if isinstance(m, p.Allocate)]
+    assert [(m.task_id, m.existing, m.wait_ms) for m in again] == [("train", True, 0), ("etl", True, 0)]
+    assert d.push(allocated_for(again[0], [0])) == []
+    actions = d.push(p.Error(id=again[1].id, code=p.ErrorCode.UNKNOWN_TASK, message="task 'etl' holds no allocation"))
+    [told] = [a.push for a in actions if isinstance(a, CallAllocationListeners)]
+    assert (told.task_id, told.reason, told.gone) == ("etl", p.PreemptReason.LOST, True)
+    d.lose()
+    d.connect()
+    assert [m.task_id for m in d.take() if isinstance(m, p.Allocate)] == ["train"]

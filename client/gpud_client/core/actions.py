@@ -5,6 +5,9 @@ actions, and a driver (the sync ``Client`` or the asyncio ``AsyncClient``)
 carries them out in order. ``Send`` and ``Resolve`` are done at once, under
 the driver's lock; the hook actions (``CallOnDrop``, ``GiveBack``,
 ``CallOnLost``) run user code and so are run outside it, never on the reader.
+``CallAllocationListeners`` runs user code too, outside the lock, but on the
+reader (sync) or in the reader task (asyncio), so that listeners see an
+allocation's pushes in the order they came.
 """
 
 from __future__ import annotations
@@ -96,6 +99,17 @@ class ApplyMemoryLimit:
     limit: int | None
 
 
+AllocationPush = p.Preempt | p.PreemptWithdrawn | p.AllocRevoked | p.AllocChanged
+
+
+@dataclass(frozen=True, slots=True)
+class CallAllocationListeners:
+    """A push about an allocation (PREEMPT, PREEMPT_WITHDRAWN, ALLOC_REVOKED, ALLOC_CHANGED): hand it
+    to each of the application's allocation listeners, in the order the pushes came."""
+
+    push: AllocationPush
+
+
 class Level(enum.IntEnum):
     DEBUG = 10
     INFO = 20
@@ -108,8 +122,20 @@ class Log:
     text: str
 
 
-Action = Send | Resolve | Wake | ArmIdle | CallOnDrop | GiveBack | CallOnLost | CallOnPark | ApplyMemoryLimit | Log
-Hook = CallOnDrop | GiveBack | CallOnLost | CallOnPark
+Action = (
+    Send
+    | Resolve
+    | Wake
+    | ArmIdle
+    | CallOnDrop
+    | GiveBack
+    | CallOnLost
+    | CallOnPark
+    | CallAllocationListeners
+    | ApplyMemoryLimit
+    | Log
+)
+Hook = CallOnDrop | GiveBack | CallOnLost | CallOnPark | CallAllocationListeners
 
 
 def reconnect_delay(attempt: int, draw: float) -> float:

@@ -19,11 +19,15 @@ from __future__ import annotations
 import math
 from typing import Any, assert_never
 
+import msgspec
+
 from gpud_client import protocol as p
 from gpud_client.core.actions import (
     WAKE,
     Action,
+    AllocationPush,
     ApplyMemoryLimit,
+    CallAllocationListeners,
     CallOnDrop,
     CallOnLost,
     CallOnPark,
@@ -71,6 +75,8 @@ class ClientCore(SliceRules):
         self.lock_requests: dict[int, SessionState] = {}  # LOCK_REQUEST id -> session
         self.idle_wake_at = math.inf  # when the driver runs the idle sweep next
         self.reattaching = 0  # re-attach answers still to come on this connection
+        self.held: dict[str, p.Allocate] = {}  # allocations made through this client, to hold again after a reconnect
+        self.reholding: set[int] = set()  # request ids of those ALLOCATEs on this connection
 
     # --- the connection -------------------------------------------------------
 
@@ -94,6 +100,10 @@ class ClientCore(SliceRules):
             s.attach_error = None  # tried afresh on every connection
             actions.append(self.requests.start(attach_msg(s), None, s))
         self.reattaching = len(self.all)
+        for msg in self.held.values():  # told of their preemption again: held by this connection now
+            send = self.requests.start(msgspec.structs.replace(msg, existing=True, wait_ms=0), None, None)
+            self.reholding.add(send.msg.id)  # type: ignore[attr-defined]
+            actions.append(send)
         return [*actions, *self._back(), WAKE]
 
     def _back(self) -> list[Action]:
@@ -115,6 +125,7 @@ class ClientCore(SliceRules):
         if not self.connected:
             return NO_ACTIONS
         self.connected, self.reattaching = False, 0
+        self.reholding.clear()
         actions = self.requests.fail_all(unavailable(self.path, why))
         self.lock_requests.clear()
         for s in self.sessions.values():
@@ -207,6 +218,11 @@ class ClientCore(SliceRules):
             case p.SchedState(gpu=gpu, on=on):
                 self.scheduler_on[gpu] = on
                 return NO_ACTIONS
+            case p.AllocRevoked(task_id=task, gone=True):
+                self.held.pop(task, None)
+                return [Log(Level.INFO, describe_push(msg)), CallAllocationListeners(msg)]
+            case p.Preempt() | p.PreemptWithdrawn() | p.AllocRevoked() | p.AllocChanged():
+                return [Log(Level.INFO, describe_push(msg)), CallAllocationListeners(msg)]
             case p.Error(id=rid) if rid is not None and rid in self.lock_requests:
                 s = self.lock_requests.pop(rid)
                 s.error = error_from(msg.code, msg.message)
@@ -240,6 +256,13 @@ class ClientCore(SliceRules):
                 return [Log(Level.WARNING, f"gpud reported {msg.code}: {msg.message}")]
             return NO_ACTIONS
         actions: list[Action] = NO_ACTIONS
+        if msg.id in self.reholding and isinstance(req.msg, p.Allocate):
+            self.requests.pending.pop(msg.id, None)
+            return self._reheld(req.msg, msg)
+        if isinstance(req.msg, p.Allocate) and isinstance(msg, p.Allocated):
+            self.held[msg.task_id] = req.msg
+        elif isinstance(req.msg, p.Free) and isinstance(msg, p.Ok):
+            self.held.pop(req.msg.task_id, None)
         if req.session is not None:
             actions = self._attach_answered(req.session, msg, reattach=req.waiter is None)
         if req.waiter is None:  # the core's own request (a re-attach): nobody collects it
@@ -247,6 +270,15 @@ class ClientCore(SliceRules):
             self.reattaching -= 1
             return [*actions, *self._back()]
         return [*actions, Resolve(req.waiter)]
+
+    def _reheld(self, asked: p.Allocate, msg: Answer) -> list[Action]:
+        """The answer to holding an allocation again after a reconnect: gone, its holder is told so."""
+        self.reholding.discard(msg.id)
+        if not isinstance(msg, p.Error):
+            return NO_ACTIONS
+        self.held.pop(asked.task_id, None)
+        lost = p.AllocRevoked(task_id=asked.task_id, reason=p.PreemptReason.LOST, state=p.AllocState.RUNNING, gone=True)
+        return [Log(Level.WARNING, f"task {asked.task_id}: {msg.message}"), CallAllocationListeners(lost)]
 
     def _attach_answered(self, s: SessionState, msg: Any, *, reattach: bool) -> list[Action]:
         if isinstance(msg, p.Attached):
@@ -326,6 +358,25 @@ class ClientCore(SliceRules):
         if s.in_slice:
             s.lost = err
         return [Log(Level.WARNING if s.in_slice else Level.INFO, str(err)), CallOnLost(s, err)]
+
+
+def describe_push(msg: AllocationPush) -> str:
+    """One line for the log: what gpud did to which allocation."""
+    match msg:
+        case p.Preempt(task_id=task, whole=True):
+            return f"gpud preempts task {task} ({msg.reason}, for {msg.by}): {msg.recovery} within {msg.grace_s:g} s"
+        case p.Preempt(task_id=task):
+            return f"gpud takes GPUs {msg.gpus} back from task {task} ({msg.reason}, for {msg.by}) within {msg.grace_s:g} s"
+        case p.PreemptWithdrawn(task_id=task):
+            return f"gpud withdrew the preemption of task {task}"
+        case p.AllocRevoked(task_id=task, gone=gone):
+            return f"gpud took the allocation of task {task} back ({msg.reason}): " + (
+                "it is gone" if gone else f"it is {msg.state}"
+            )
+        case p.AllocChanged(change=change, allocation=a):
+            return f"the allocation of task {a.task_id} {change}: GPUs {a.gpus}"
+        case _:
+            assert_never(msg)
 
 
 def attach_msg(s: SessionState) -> p.Attach:

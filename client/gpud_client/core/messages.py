@@ -58,6 +58,11 @@ def allocate_msg(
     priority: int | p.PriorityClass | str | None,
     wait_ms: int,
     owner_pid: int | None,
+    *,
+    on_preempt: p.Recovery | str = p.Recovery.TERMINATE,
+    gpus_max: int | None = None,
+    protected: bool = False,
+    notify: bool = True,
 ) -> p.Allocate:
     level = priority if isinstance(priority, int) else None
     klass = p.PriorityClass(priority) if isinstance(priority, str) else None
@@ -73,6 +78,10 @@ def allocate_msg(
         priority_class=klass,
         wait_ms=wait_ms,
         owner_pid=owner_pid,
+        on_preempt=p.Recovery(on_preempt),
+        gpus_max=gpus_max,
+        protected=protected,
+        notify=notify,
     )
 
 
