@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn, get_args
+from typing import Any, NamedTuple, NoReturn, get_args
 
 import msgspec
 
@@ -74,15 +74,16 @@ wait = _limited(p.Millis, float, "seconds", scale=1000)  # -> milliseconds, as t
 tq = _limited(p.Seconds, float, "seconds", what="the time quantum")
 
 
+PRIORITY_CLASSES = ", ".join(c.value for c in p.PriorityClass)
+
+
 def priority_arg(text: str) -> int | str:
     if text in {c.value for c in p.PriorityClass}:
         return text
     try:
         return int(priority(text))
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be {bounds(p.Priority)} or production, high, normal, best-effort; got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"must be {bounds(p.Priority)} or {PRIORITY_CLASSES}; got {text!r}") from None
 
 
 def gpus(text: str) -> float:
@@ -103,6 +104,49 @@ def gpus(text: str) -> float:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+class GpuRange(NamedTuple):
+    """An elastic request: at least ``min`` whole GPUs, at most ``max`` (ALLOCATE's gpus and gpus_max)."""
+
+    min: int
+    max: int
+
+
+# ALLOCATE's own type for the maximum (less its None), so no command keeps a copy of its bound.
+_GPUS_MAX = next(
+    t
+    for f in msgspec.structs.fields(p.Allocate)
+    if f.name == "gpus_max"
+    for t in get_args(f.type)
+    if t is not type(None)
+)
+_RANGE = re.compile(r"(\d+)\.\.(\d+)", re.ASCII)
+
+
+def gpu_range(text: str) -> GpuRange:
+    """``MIN..MAX`` whole GPUs, 1 <= MIN < MAX: an elastic allocation, shrunk or grown in that range."""
+    m = _RANGE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"an elastic range is MIN..MAX whole GPUs, e.g. 1..4; got {text!r}")
+    low, high = int(m[1]), int(m[2])
+    if low < 1:
+        raise argparse.ArgumentTypeError(f"an elastic range needs MIN >= 1 whole GPU, got {text!r}")
+    if high <= low:
+        exact = f" (for exactly {low} GPU(s), give {low})" if high == low else ""
+        raise argparse.ArgumentTypeError(f"an elastic range needs MAX > MIN, got {text!r}{exact}")
+    try:
+        msgspec.convert(high, _GPUS_MAX)
+    except msgspec.ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"an elastic range's MAX must be {bounds(_GPUS_MAX)} GPUs, got {text!r}"
+        ) from None
+    return GpuRange(low, high)
+
+
+def gpus_or_range(text: str) -> float | GpuRange:
+    """``--gpus`` where an elastic range is allowed: a number of GPUs (``gpus``) or ``MIN..MAX``."""
+    return gpu_range(text) if ".." in text else gpus(text)
 
 
 def owner_pid(text: str) -> int:

@@ -23,6 +23,8 @@ from typing import Any, NoReturn, TypeVar
 
 import msgspec
 
+from gpud.tools.allocview import render_allocs
+from gpud.tools.allocview import table as _table
 from gpud.tools.top import gpu_memory, gpu_mode, reserve_note
 from gpud.tools.top import run as run_top
 from gpud_client import argtypes as at
@@ -32,7 +34,7 @@ from gpud_client.connection import Connection
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.runinfo import run_info
 from gpud_client.taskenv import allocation_env
-from gpud_client.units import format_bytes, printable
+from gpud_client.units import format_bytes
 
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -55,19 +57,17 @@ def _connect(args: argparse.Namespace) -> Connection:
     return conn
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    rows = [[printable(str(c)) for c in r] for r in rows]
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
-
-
 def _who(name: str, pid: int, session: int) -> str:
     return f"{name or '?'}[{pid}]#{session}"
 
 
 def _drops(drops: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(drops.items())) or "-"
+
+
+def _drain_state(g: p.GpuStatus) -> str:
+    """Draining until no allocation is left on it, then drained."""
+    return " DRAINED" if g.drained else " DRAINING" if g.draining else ""
 
 
 def render_status(reply: p.StatusReply) -> str:
@@ -84,7 +84,7 @@ def render_status(reply: p.StatusReply) -> str:
             [
                 str(g.index),
                 g.name + (" (sim)" if g.simulated and "Simulated" not in g.name else ""),
-                gpu_mode(g) + ("" if g.healthy else " UNHEALTHY"),
+                gpu_mode(g) + ("" if g.healthy else " UNHEALTHY") + _drain_state(g),
                 f"{g.tq_s:g}s",
                 gpu_memory(g),
                 holder or "-",
@@ -190,37 +190,6 @@ def render_policies(reply: p.PoliciesReply) -> str:
     return _table(rows, ["TASK", "PRIORITY", "BUSY", "MAX WAIT", "QUEUE LIMIT", "HOLD MAX"])
 
 
-def render_allocs(reply: p.AllocationsReply) -> str:
-    rows = [
-        [
-            a.task_id,
-            a.cuda_visible_devices or "-",
-            f"{a.share:g}" if a.gpus else "-",
-            _cpuset(a.cpus),
-            a.tenant or "-",
-            str(a.priority),
-            str(a.owner_pid or "-"),
-        ]
-        for a in reply.allocations
-    ]
-    out = [_table(rows, ["TASK", "GPUS", "SHARE", "CPUS", "TENANT", "PRIO", "OWNER"]) if rows else "no allocations"]
-    gpu_rows = [
-        [str(g.index), f"{g.allocated:g}", f"{g.free:g}", ", ".join(f"{t}:{v:g}" for t, v in g.tasks.items()) or "-"]
-        for g in reply.gpus
-    ]
-    out += ["", _table(gpu_rows, ["GPU", "ALLOCATED", "FREE", "TASKS"])]
-    out += [f"CPU cores: {reply.cpus_total - len(reply.cpus_free)} of {reply.cpus_total} allocated"]
-    if reply.waiting:
-        out += [f"waiting: {', '.join(reply.waiting)}"]
-    for name, t in reply.tenants.items():
-        out += [f"tenant {name}: {t.used:g} of {t.quota:g} GPUs (may borrow {t.borrow:g})"]
-    return "\n".join(out)
-
-
-def _cpuset(cpus: list[int]) -> str:
-    return ",".join(map(str, cpus)) or "-"
-
-
 def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str, **extra: Any) -> None:
     if args.json:
         data = msgspec.to_builtins(obj)
@@ -261,6 +230,9 @@ _FLAGS = {
     "hold_max_ms": "--hold-max",
     "busy_policy": "--busy",
     "mode": "MODE",
+    "on_preempt": "--on-preempt",
+    "gpus_max": "--gpus",
+    "protected": "--protected",
 }
 
 
@@ -344,11 +316,21 @@ def cmd_alloc(args: argparse.Namespace) -> None:
             "argument --gpus: 0 asks for no GPU: add --cpus N for CPU cores alone, "
             "or ask for --gpus 1 or a fraction such as 0.5"
         )
+    span: at.GpuRange | None = args.gpus if isinstance(args.gpus, at.GpuRange) else None
+    if args.on_preempt == p.Recovery.SHRINK and span is None:
+        raise UsageError(
+            "argument --on-preempt: shrink gives back the GPUs an elastic allocation has above its "
+            "minimum: it needs --gpus MIN..MAX",
+            prog="gpuctl alloc",
+        )
     priority: int | str | None = args.priority
     msg = _message(
         p.Allocate,
         task_id=args.task,
-        gpus=args.gpus,
+        gpus=args.gpus if span is None else span.min,
+        gpus_max=None if span is None else span.max,
+        on_preempt=args.on_preempt or p.Recovery.TERMINATE,
+        protected=args.protected,
         cpus=args.cpus,
         prefer=args.prefer,
         strategy=args.strategy,
@@ -359,6 +341,15 @@ def cmd_alloc(args: argparse.Namespace) -> None:
         owner_pid=args.owner_pid,
     )
     reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
+    asked = args.on_preempt or span or priority in (p.PriorityClass.SPOT, p.PRIORITY_OF_CLASS[p.PriorityClass.SPOT])
+    if asked and args.owner_pid is None and not args.protected and not args.json:
+        # gpuctl does not stay to be told: without an owner pid no one can be, and gpud never takes
+        # back what it cannot announce. stdout is for eval: the note goes to stderr.
+        print(
+            f"gpuctl: note: task {reply.task_id} is not preemptible: no one to tell "
+            "(give --owner-pid, or run the task with gpuctl run)",
+            file=sys.stderr,
+        )
     env = allocation_env(reply)
     if args.json:
         _emit(args, reply, "", env=env)
@@ -374,6 +365,24 @@ def cmd_free(args: argparse.Namespace) -> None:
 def cmd_allocs(args: argparse.Namespace) -> None:
     reply = _call(args, p.ListAllocations(id=0))
     _emit(args, reply, render_allocs(reply))
+
+
+def cmd_drain(args: argparse.Namespace) -> None:
+    _call(args, _message(p.Drain, gpu=args.gpu, on=args.on))
+    what = (
+        "no new allocations there; its allocations are preempted with their recovery" if args.on else "back in service"
+    )
+    _done(args, f"GPU {args.gpu} {'draining' if args.on else 'undrained'}: {what}", gpu=args.gpu, draining=args.on)
+
+
+def cmd_protect(args: argparse.Namespace) -> None:
+    _call(args, _message(p.Protect, task_id=args.task, protected=args.protected))
+    what = (
+        "protected: it is never preempted"
+        if args.protected
+        else "no longer protected: its priority decides again whether it may be preempted"
+    )
+    _done(args, f"task {args.task} {what}", task_id=args.task, protected=args.protected)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -484,17 +493,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     alloc.add_argument(
         "--gpus",
-        type=at.gpus,
+        type=at.gpus_or_range,
         default=1.0,
-        help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1)",
+        help="whole number >= 1, or a fraction 0 < x < 1 of one GPU; 0 with --cpus (default 1); "
+        "MIN..MAX whole GPUs (e.g. 1..4): elastic, preemption may shrink it to MIN",
     )
     alloc.add_argument("--cpus", type=at.cpus, default=0, help="CPU cores (default 0)")
     alloc.add_argument("--prefer", type=at.prefer_arg, default=[], help="GPUs to try first, e.g. 2,3")
     alloc.add_argument("--strategy", choices=[x.value for x in p.Strategy], default="first_fit")
     alloc.add_argument("--tenant", type=at.tenant)
     alloc.add_argument(
-        "--priority", type=at.priority_arg, help=f"{at.bounds(p.Priority)} or production|high|normal|best-effort"
+        "--priority",
+        type=at.priority_arg,
+        help=f"{at.bounds(p.Priority)} or {at.PRIORITY_CLASSES.replace(', ', '|')}: 100 is never preempted, "
+        "1..99 may be after preemption_min_runtime_s, 0 (spot) at any time",
     )
+    alloc.add_argument(
+        "--on-preempt",
+        choices=[r.value for r in p.Recovery],
+        help="what the holder does when preempted (default terminate; shrink needs --gpus MIN..MAX)",
+    )
+    alloc.add_argument("--protected", action="store_true", help="never preempted (admin)")
     alloc.add_argument(
         "--wait",
         dest="wait_ms",
@@ -513,9 +532,23 @@ def build_parser() -> argparse.ArgumentParser:
     free = sub.add_parser("free", parents=[common], help="release a task's allocation")
     free.add_argument("--task", type=at.task_id, required=True)
     free.set_defaults(func=cmd_free)
-    sub.add_parser("allocs", parents=[common], help="allocations, per-GPU shares, CPU cores, tenants").set_defaults(
-        func=cmd_allocs
-    )
+    sub.add_parser(
+        "allocs", parents=[common], help="allocations and their preemption state, per-GPU shares, waiters, tenants"
+    ).set_defaults(func=cmd_allocs)
+    for name, on, what in (
+        ("drain", True, "no new allocations on a GPU; its allocations are preempted (admin)"),
+        ("undrain", False, "put a drained GPU back in service (admin)"),
+    ):
+        drain = sub.add_parser(name, parents=[common], help=what)
+        drain.add_argument("gpu", type=at.gpu_arg, metavar="GPU", help="index, gpu:N or UUID")
+        drain.set_defaults(func=cmd_drain, on=on)
+    for name, on, what in (
+        ("protect", True, "a task's allocation is never preempted (admin)"),
+        ("unprotect", False, "a task's allocation is preemptible by its priority again (admin)"),
+    ):
+        protect = sub.add_parser(name, parents=[common], help=what)
+        protect.add_argument("task", type=at.task_id, metavar="TASK", help="the task id (see gpuctl allocs)")
+        protect.set_defaults(func=cmd_protect, protected=on)
     sub.add_parser("leases", parents=[common], help="lease holders and waiters").set_defaults(func=cmd_leases)
     pol = sub.add_parser("policy", parents=[common], help="show or hot-update lease policies (admin to change)")
     pol.add_argument(
