@@ -6,8 +6,12 @@ import signal
 
 import pytest
 
+from gpud_client import protocol as p
+from gpud_client.core.recovery import without
 from gpud_client.core.run import (
     CONTROL_FAILED,
+    PREEMPTED,
+    Allocate,
     AnswerPark,
     EndProgram,
     Exit,
@@ -17,8 +21,12 @@ from gpud_client.core.run import (
     Release,
     Request,
     Resume,
+    RunAction,
     RunCore,
+    Say,
     Start,
+    UseAllocation,
+    Yield,
 )
 
 TERM = int(signal.SIGTERM)
@@ -156,3 +164,319 @@ def test_the_run_ends_with_the_programs_status_or_ends_the_program_on_a_control_
     why = "the driver did not answer"
     assert core.failed(why) == [EndProgram(why), Exit(CONTROL_FAILED, why)]
     assert core.failed(why) == []
+
+
+# --- when gpud takes the allocation back (core/recovery.py) -------------------------------------
+
+KILL, USR1 = int(signal.SIGKILL), int(signal.SIGUSR1)
+
+
+def alloc(gpus: list[int] | None = None, *, resume: bool = False, share: float = 1.0) -> p.Allocated:
+    gpus = [0] if gpus is None else gpus
+    return p.Allocated(
+        id=0,
+        task_id="job",
+        gpus=gpus,
+        uuids=[f"GPU-{g}" for g in gpus],
+        share=share,
+        cpus=[],
+        cuda_visible_devices=",".join(map(str, gpus)),
+        tenant=None,
+        priority=10,
+        owner_pid=None,
+        resume=resume,
+    )
+
+
+def notice(
+    recovery: p.Recovery = p.Recovery.TERMINATE, *, whole: bool = True, gpus: list[int] | None = None, grace: float = 10
+) -> p.Preempt:
+    return p.Preempt(
+        task_id="job",
+        reason=p.PreemptReason.ELASTIC if not whole else p.PreemptReason.PRIORITY,
+        recovery=recovery,
+        gpus=[0] if gpus is None else gpus,
+        whole=whole,
+        grace_s=grace,
+        by="urgent",
+    )
+
+
+def revoked(gone: bool = True, state: p.AllocState = p.AllocState.RUNNING) -> p.AllocRevoked:
+    return p.AllocRevoked(task_id="job", reason=p.PreemptReason.PRIORITY, state=state, gone=gone)
+
+
+def changed(change: str, allocation: p.Allocated) -> p.AllocChanged:
+    return p.AllocChanged(change=change, allocation=allocation)
+
+
+def whole(allocation: p.Allocated | None = None, **kw: object) -> RunCore:
+    """A run on whole GPUs (no lock), its program started."""
+    core = RunCore(arbitrated=False, **kw)  # type: ignore[arg-type]
+    core.use_allocation(allocation or alloc())
+    assert core.begin(0.0) == [Start()]
+    return core
+
+
+def fraction(**kw: object) -> RunCore:
+    """A run on a fraction of one GPU, its program started at its first grant."""
+    core = running(**kw)
+    core.use_allocation(alloc(share=0.5))
+    return core
+
+
+def kinds(actions: list[RunAction]) -> list[type]:
+    return [type(a) for a in actions]
+
+
+def said(actions: list[RunAction]) -> str:
+    return " / ".join(a.text for a in actions if isinstance(a, Say))
+
+
+def test_terminate_sends_sigterm_at_once_and_sigkill_half_a_second_before_the_daemons_grace_ends() -> None:
+    core = whole()
+    actions = core.preempted(notice(grace=10), 1.0)
+    assert actions[1:] == [Forward(TERM)] and "task job was preempted by urgent (priority)" in said(actions)
+    assert core.next_tick(1.0, 100.0) == pytest.approx(10.5)
+    assert core.tick(10.4, None) == []
+    actions = core.tick(10.5, None)
+    assert actions[-1] == Forward(KILL) and "did not end within 10 s" in said(actions)
+    assert core.tick(11.0, None) == []  # killed once
+    assert core.exited(128 + KILL) == [Exit(128 + KILL)]  # the program's own status
+
+
+def test_terminate_of_a_program_that_ends_in_time_exits_with_its_status_and_kills_nothing() -> None:
+    core = whole()
+    core.preempted(notice(grace=0.2), 0.0)
+    assert core.kill_at == 0.0  # never below zero: the grace less 0.5 s
+    core.kill_at = None
+    assert core.exited(3) == [Exit(3)]
+    assert core.tick(100.0, None) == []
+
+
+def test_an_ending_program_paused_between_turns_is_resumed_to_act_and_never_paused_again() -> None:
+    core = fraction()
+    core.dropped(1.0)  # paused between its turns
+    actions = core.preempted(notice(), 2.0)
+    assert actions[1:] == [Resume(), Forward(TERM)]
+    assert core.granted(2.1) == []  # a grant asked for before: it runs to its end
+    assert core.dropped(2.2) == [Release()]  # given back without a pause, and not asked for again
+    assert core.tick(2.3, None) == [] and core.state == "running"
+    assert core.exited(0) == [Exit(0)]
+
+
+def test_checkpoint_signals_then_yields_waits_for_the_allocation_and_restarts_with_resume() -> None:
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    actions = core.preempted(notice(p.Recovery.CHECKPOINT), 1.0)
+    assert actions[1:] == [Forward(USR1)]
+    actions = core.exited(0)
+    assert actions[1:] == [Yield(), Allocate()] and "waiting for its allocation again" in said(actions)
+    assert core.phase == "waiting" and not core.started
+    assert core.revoked(revoked(gone=True), 2.0) == []  # the answer to its YIELD: nothing runs to kill
+    assert core.tick(100.0, None) == []  # no kill deadline is left
+    again = alloc(resume=True)
+    assert core.reallocated(again, 5.0) == [UseAllocation(again, True), Start()]
+    assert core.phase == "normal" and core.state == "running" and not core.gone
+    core.preempted(notice(p.Recovery.CHECKPOINT), 6.0)
+    assert said(core.exited(0)) == ""  # the waiting line is said once
+
+
+def test_a_checkpoint_that_overruns_the_grace_is_killed_and_then_waits_all_the_same() -> None:
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT, grace=5), 0.0)
+    assert core.tick(4.5, None)[-1] == Forward(KILL)
+    assert kinds(core.exited(128 + KILL)) == [Say, Yield, Allocate]
+
+
+def test_a_withdrawn_checkpoint_restarts_on_the_allocation_it_keeps_without_yield() -> None:
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
+    assert core.withdrawn(1.0) == []
+    assert core.kill_at is None  # the devices stay the run's: no hurry
+    assert core.exited(0) == [UseAllocation(alloc(), True), Start()]
+
+
+def test_a_checkpoint_revoked_before_the_program_ended_is_killed_and_waits_without_yield() -> None:
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
+    assert core.revoked(revoked(gone=True), 1.0) == [Forward(KILL)]
+    assert kinds(core.exited(128 + KILL)) == [Say, Allocate]  # gone: nothing to yield
+
+
+def test_a_fractional_checkpoint_gives_the_lock_back_and_starts_again_at_its_next_grant() -> None:
+    core = fraction(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
+    assert kinds(core.exited(0)) == [Release, Say, Yield, Allocate]
+    assert core.granted(1.0) == [Release()]  # asked for before: not its turn while it waits
+    again = alloc(share=0.5, resume=True)
+    assert core.reallocated(again, 2.0) == [UseAllocation(again, True), Request()]
+    assert core.granted(3.0) == [Start()]
+
+
+def test_a_signal_while_waiting_for_the_allocation_ends_the_run_and_a_refusal_fails_it() -> None:
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
+    core.exited(0)
+    assert core.signalled(TERM, 1.0) == [Exit(128 + TERM, f"signal {TERM} while the run waited for its allocation")]
+    core = whole(recovery="checkpoint", checkpoint_signal=USR1)
+    core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
+    core.exited(0)
+    assert core.reallocation_failed("no room") == [Say("no room"), Exit(PREEMPTED, "no room")]
+    assert core.reallocated(alloc(), 2.0) == []  # too late: the run has ended
+
+
+def test_suspend_pauses_then_yields_and_resumed_goes_on_where_it_was() -> None:
+    core = whole(recovery="suspend")
+    actions = core.preempted(notice(p.Recovery.SUSPEND), 1.0)
+    assert kinds(actions) == [Say, Pause, Yield]
+    assert core.phase == "suspended" and core.state == "paused"
+    assert core.revoked(revoked(gone=False, state=p.AllocState.SUSPENDED), 2.0) == []  # its YIELD answered
+    assert core.withdrawn(2.5) == []  # yielded: too late to undo, it waits for its devices
+    assert core.tick(100.0, None) == []  # no deadline while suspended
+    actions = core.changed(changed("resumed", alloc()), 200.0)
+    assert actions[1:] == [Resume()] and core.state == "running" and core.phase == "normal"
+
+
+def test_suspend_parks_with_a_backend_that_can_and_yields_once_parked() -> None:
+    core = whole(recovery="suspend", can_park=True)
+    assert kinds(core.preempted(notice(p.Recovery.SUSPEND), 1.0)) == [Say, Pause, Park]
+    assert core.park_done(True, "1 bytes") == [Yield()]  # no PARKED: gpud did not ask
+    assert core.state == "parked"
+    assert core.signalled(TERM, 2.0) == [Forward(TERM)]  # parked: it acts on it once resumed
+    core = whole(recovery="suspend", can_park=True)
+    core.preempted(notice(p.Recovery.SUSPEND), 1.0)
+    actions = core.park_done(False, "host memory short")
+    assert kinds(actions) == [Say, Yield] and "host memory short" in said(actions)
+
+
+def test_a_suspend_withdrawn_before_it_yielded_resumes_the_program() -> None:
+    core = whole(recovery="suspend", can_park=True)
+    core.preempted(notice(p.Recovery.SUSPEND), 1.0)  # parking
+    assert core.withdrawn(1.5) == []  # the park in flight ends first
+    assert core.park_done(True) == [Resume()]
+    assert core.phase == "normal" and core.state == "running"
+
+
+def test_a_suspended_fraction_neither_holds_nor_asks_for_the_lock_until_resumed() -> None:
+    core = fraction(recovery="suspend")
+    assert kinds(core.preempted(notice(p.Recovery.SUSPEND), 1.0)) == [Say, Pause, Release, Yield]
+    assert core.granted(2.0) == [Release()]  # granted meanwhile: given back at once
+    assert core.dropped(2.1) == [] and core.lost(2.2) == []
+    assert core.tick(50.0, 1.0) == []
+    assert core.changed(changed("resumed", alloc(share=0.5)), 60.0)[1:] == [Request()]
+    assert core.state == "paused"  # it goes on at its grant
+    assert core.granted(61.0) == [Resume()]
+
+
+def test_a_signal_to_a_suspended_run_resumes_the_program_for_the_grace_then_suspends_it_again() -> None:
+    core = whole(recovery="suspend", signal_grace=2.0)
+    core.preempted(notice(p.Recovery.SUSPEND), 1.0)
+    assert core.signalled(TERM, 5.0) == [Resume(), Forward(TERM)]
+    assert core.next_tick(5.0, 10.0) == 7.0
+    assert kinds(core.tick(7.0, None)) == [Pause]
+    assert core.phase == "suspended" and core.state == "paused"
+    assert core.exited(3) == [Exit(3)]  # it acted on it after all
+
+
+def test_a_suspended_program_whose_allocation_is_revoked_is_killed_and_the_run_fails() -> None:
+    core = whole(recovery="suspend")
+    core.preempted(notice(p.Recovery.SUSPEND), 1.0)
+    actions = core.revoked(revoked(gone=True), 31.0)
+    assert actions[-1] == Forward(KILL) and "gpud revoked the allocation of task job (priority)" in said(actions)
+    assert core.exited(128 + KILL) == [Exit(PREEMPTED, said(actions))]
+
+
+def test_a_revocation_while_the_program_runs_kills_it_at_once() -> None:
+    core = whole()
+    assert core.revoked(revoked(gone=False), 1.0) == []  # not gone: nothing to do
+    actions = core.revoked(revoked(gone=True), 2.0)
+    assert kinds(actions) == [Say, Forward] and actions[1] == Forward(KILL)
+    assert core.gone
+    status = core.exited(128 + KILL)
+    assert len(status) == 1 and isinstance(status[0], Exit) and status[0].status == PREEMPTED
+
+
+def test_fail_ends_the_program_and_the_run_with_a_line_naming_task_reason_and_preemptor() -> None:
+    core = whole(recovery="fail")
+    assert core.preempted(notice(p.Recovery.FAIL), 0.0)[1:] == [Forward(TERM)]
+    actions = core.exited(128 + TERM)
+    line = "task job was preempted by urgent (priority); the task fails (--on-preempt fail)"
+    assert actions == [Say(line), Exit(PREEMPTED, line)]
+
+
+def test_a_notice_before_the_program_started_ends_the_run_without_starting_it() -> None:
+    core = RunCore()
+    core.use_allocation(alloc(share=0.5))
+    core.begin(0.0)  # waits for its first grant
+    actions = core.preempted(notice(), 1.0)
+    assert isinstance(actions[-1], Exit) and actions[-1].status == PREEMPTED
+    assert core.granted(2.0) == []  # never started
+
+
+def test_an_elastic_partial_notice_restarts_the_program_on_the_rest_and_yields() -> None:
+    core = whole(alloc([0, 1, 2]), signal_grace=2.0)
+    actions = core.preempted(notice(p.Recovery.SHRINK, whole=False, gpus=[2], grace=10), 1.0)
+    assert actions[1:] == [Forward(TERM)] and "giving back GPUs [2]" in said(actions)
+    assert core.next_tick(1.0, 100.0) == 3.0  # the signal's grace, within the daemon's
+    rest = alloc([0, 1])
+    assert core.exited(0) == [Yield(), UseAllocation(rest, True), Start()]
+    assert core.changed(changed("shrunk", rest), 4.0) == []  # gpud says what it already runs on
+
+
+def test_an_elastic_resize_with_keep_yields_at_once_and_leaves_the_program_alone() -> None:
+    core = whole(alloc([0, 1, 2]), on_resize="keep")
+    assert core.preempted(notice(p.Recovery.SHRINK, whole=False, gpus=[2]), 1.0)[1:] == [Yield()]
+    assert core.changed(changed("shrunk", alloc([0, 1])), 2.0) == []
+    assert core.changed(changed("grown", alloc([0, 1, 3])), 3.0) == []
+    assert core.state == "running" and core.phase == "normal"
+
+
+def test_a_grown_allocation_restarts_the_program_on_its_new_gpus_without_yield() -> None:
+    core = whole(alloc([0]), signal_grace=2.0)
+    bigger = alloc([0, 1])
+    actions = core.changed(changed("grown", bigger), 1.0)
+    assert actions[1:] == [Forward(TERM)] and "restarting the program" in said(actions)
+    assert core.tick(3.0, None)[-1] == Forward(KILL)  # SIGKILL after the signal's grace
+    assert core.exited(128 + KILL) == [UseAllocation(bigger, True), Start()]
+
+
+def test_a_partial_notice_withdrawn_during_the_restart_restarts_on_the_whole_allocation() -> None:
+    core = whole(alloc([0, 1]))
+    core.preempted(notice(p.Recovery.SHRINK, whole=False, gpus=[1]), 1.0)
+    assert core.withdrawn(1.5) == []
+    assert core.exited(0) == [UseAllocation(alloc([0, 1]), True), Start()]  # no YIELD: it keeps them
+
+
+def test_without_drops_the_named_gpus_and_their_uuids() -> None:
+    rest = without(alloc([0, 1, 2]), [1])
+    assert (rest.gpus, rest.uuids, rest.cuda_visible_devices) == ([0, 2], ["GPU-0", "GPU-2"], "0,2")
+
+
+def test_a_whole_notice_during_a_restart_keeps_the_earlier_deadline_and_becomes_what_it_asks() -> None:
+    core = whole(alloc([0, 1]), signal_grace=2.0)
+    core.changed(changed("grown", alloc([0, 1, 2])), 1.0)  # restarting: killed at 3.0
+    actions = core.preempted(notice(p.Recovery.TERMINATE, grace=10), 1.5)
+    assert "the program is ending already" in said(actions) and Forward(TERM) not in actions
+    assert core.kill_at == 3.0
+    assert core.exited(3) == [Exit(3)]  # ended as terminate asks, not restarted
+    core = whole(alloc([0, 1]), recovery="suspend", signal_grace=2.0)
+    core.changed(changed("grown", alloc([0, 1, 2])), 1.0)
+    core.preempted(notice(p.Recovery.SUSPEND, grace=10), 1.5)
+    assert kinds(core.exited(3)) == [Say, Yield, Allocate]  # told to end already: waits, then resumes
+
+
+def test_a_second_notice_keeps_the_first_deadline_and_a_notice_while_suspended_changes_nothing() -> None:
+    core = whole()
+    core.preempted(notice(grace=10), 0.0)
+    core.preempted(notice(grace=30), 1.0)
+    assert core.kill_at == 9.5
+    core = whole(recovery="suspend")
+    core.preempted(notice(p.Recovery.SUSPEND), 0.0)
+    assert core.preempted(notice(p.Recovery.SUSPEND), 1.0) == []
+
+
+def test_a_shrink_during_a_restart_changes_the_devices_it_restarts_on() -> None:
+    core = whole(alloc([0, 1]), signal_grace=2.0)
+    core.changed(changed("grown", alloc([0, 1, 2])), 1.0)
+    core.changed(changed("shrunk", alloc([0, 1])), 1.5)  # back to what the program had
+    assert core.exited(3) == [UseAllocation(alloc([0, 1]), True), Start()]

@@ -22,76 +22,64 @@ in order, telling the core how each process-control action went.
 - The run ends with the program's exit status. A process-control failure that leaves
   the program's state unknown ends the program: it never goes on unarbitrated, and is
   never left paused for good.
+- When gpud takes the run's allocation back (PREEMPT and the pushes after it), the rules of
+  ``core/recovery.py``, a part of ``RunCore``, decide: end, checkpoint, suspend or restart
+  the program. The actions of both are in ``core/run_actions.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from gpud_client import protocol as p
+from gpud_client.core.recovery import RecoveryRules, Resize
+from gpud_client.core.run_actions import (
+    CONTROL_FAILED,
+    PREEMPTED,
+    SIGKILL,
+    SIGTERM,
+    Allocate,
+    AnswerPark,
+    EndProgram,
+    Exit,
+    Forward,
+    Park,
+    Pause,
+    Release,
+    Request,
+    Resume,
+    RunAction,
+    RunState,
+    Say,
+    Start,
+    UseAllocation,
+    Yield,
+)
 
-RunState = Literal["starting", "running", "paused", "parked", "ended"]
-
-
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Let the program (held before its exec) run."""
-
-
-@dataclass(frozen=True, slots=True)
-class Pause:
-    why: str
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """Resume the tree (restoring its parked memory first)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """LOCK_RELEASED: the tree is paused."""
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """Ask for the lock again (the driver's lock thread waits for the grant)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Park:
-    """Move the paused tree's GPU memory to host memory; the driver answers ``park_done``."""
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerPark:
-    ok: bool
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    signal: int
-
-
-@dataclass(frozen=True, slots=True)
-class EndProgram:
-    """Kill the whole tree: its state is unknown or it may not go on."""
-
-    why: str
+__all__ = [
+    "CONTROL_FAILED",
+    "PREEMPTED",
+    "SIGKILL",
+    "SIGTERM",
+    "Allocate",
+    "AnswerPark",
+    "EndProgram",
+    "Exit",
+    "Forward",
+    "Park",
+    "Pause",
+    "Release",
+    "Request",
+    "Resume",
+    "RunAction",
+    "RunCore",
+    "RunState",
+    "Say",
+    "Start",
+    "UseAllocation",
+    "Yield",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class Exit:
-    status: int
-    why: str = ""
-
-
-RunAction = Start | Pause | Resume | Release | Request | Park | AnswerPark | Forward | EndProgram | Exit
-
-CONTROL_FAILED = 1  # the run's exit status when it ended the program itself
-
-
-class RunCore:
+class RunCore(RecoveryRules):
     def __init__(
         self,
         *,
@@ -99,6 +87,9 @@ class RunCore:
         signal_grace: float = 5.0,
         can_park: bool = False,
         arbitrated: bool = True,
+        recovery: p.Recovery | str = p.Recovery.TERMINATE,
+        on_resize: Resize = "restart",
+        checkpoint_signal: int = 10,
     ) -> None:
         self.idle_release = idle_release
         self.signal_grace = signal_grace
@@ -116,6 +107,7 @@ class RunCore:
         self.last_park_bytes: int | None = None  # what the last park moved (the driver says)
         self.pauses = 0
         self.idle_releases = 0
+        self._init_recovery(recovery, on_resize, checkpoint_signal)
 
     # --- what happened -----------------------------------------------------------
 
@@ -126,10 +118,12 @@ class RunCore:
         return [Request()]
 
     def granted(self, now: float) -> list[RunAction]:
+        if self.phase in ("suspending", "suspended", "waiting") and self.state != "ended":
+            return [Release()]  # asked for before: the devices are not the run's now
         self.holding = True
         self.last_activity, self.activity, self.repause_at = now, None, None
-        if self.state == "ended":
-            return []
+        if self.state == "ended" or self.phase == "ending":
+            return []  # an ending program runs to its end
         if not self.started:
             self.started = True
             self.state = "running"
@@ -144,6 +138,9 @@ class RunCore:
         """DROP_LOCK: pause, give the lock back, ask again."""
         if not self.holding:
             return []
+        if self.phase == "ending":
+            self.holding = False
+            return [Release()]  # it is never paused while it ends, and needs no further turn
         return self._give_back("the daemon asked for the lock (DROP_LOCK)")
 
     def lost(self, now: float) -> list[RunAction]:
@@ -151,6 +148,9 @@ class RunCore:
         open slice (``Release``), ask again."""
         if not self.holding:
             return []
+        if self.phase == "ending":
+            self.holding = False
+            return [Release()]
         if self.state != "running":
             self.holding = False
             return [Release(), Request()]
@@ -171,8 +171,9 @@ class RunCore:
             return [AnswerPark(True)]  # nothing of it is on the GPU
         if not self.can_park:
             return [AnswerPark(False, "this run's backend cannot park GPU memory (signal)")]
+        self.park_for_daemon = True
         if self.parking:
-            return []
+            return []  # the suspend's park in flight answers it too
         self.parking = True
         return [Park()]
 
@@ -180,18 +181,28 @@ class RunCore:
         self.parking = False
         if ok and self.state == "paused":
             self.state, self.parked = "parked", True
-        return [AnswerPark(ok, message)]
+        answer: list[RunAction] = [AnswerPark(ok, message)] if self.park_for_daemon else []
+        self.park_for_daemon = False
+        if self.suspend_park:
+            return [*answer, *self._suspend_parked(ok, message)]
+        return answer
 
     def tick(self, now: float, activity: float | None) -> list[RunAction]:
         """A look at the program: its cumulative activity (the CPU seconds its tree has used)."""
         actions: list[RunAction] = []
+        if self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
+            if self.started and self.state != "ended":
+                actions += [Say(self.kill_why), Forward(SIGKILL)]
         if self.repause_at is not None and now >= self.repause_at:
             self.repause_at = None
-            if self.state == "running" and not self.holding:
+            if self.state == "running" and not self.holding and self.phase != "ending":
                 self.state = "paused"
                 self.pauses += 1
                 actions.append(Pause(f"the signal's grace of {self.signal_grace:g} s is over; waiting for its turn"))
         if self.state != "running" or not self.holding or self.idle_release is None or not self.arbitrated:
+            return actions
+        if self.phase != "normal":
             return actions
         if activity is not None and self.activity is None:
             self.activity = activity  # the first look since the grant: what activity is measured from
@@ -205,16 +216,22 @@ class RunCore:
     def next_tick(self, now: float, interval: float) -> float:
         """When ``tick`` should next be called."""
         at = now + interval
-        if self.repause_at is not None:
-            at = min(at, self.repause_at)
+        for deadline in (self.repause_at, self.kill_at):
+            if deadline is not None:
+                at = min(at, deadline)
         if self.idle_release is not None and self.holding and self.state == "running" and self.arbitrated:
             at = min(at, max(now, self.last_activity + self.idle_release))  # released on time, not a tick late
         return at
 
     def signalled(self, signum: int, now: float) -> list[RunAction]:
+        if self.state == "ended":
+            return []
         if not self.started:
             self.state = "ended"
-            return [Exit(128 + signum, f"signal {signum} before the program started")]
+            when = (
+                "while the run waited for its allocation" if self.phase == "waiting" else "before the program started"
+            )
+            return [Exit(128 + signum, f"signal {signum} {when}")]
         if self.state in ("paused", "parked") and not self.holding:
             if self.state == "parked":
                 return [Forward(signum)]  # its memory is not on the GPU: it acts on it when resumed
@@ -224,6 +241,8 @@ class RunCore:
         return [Forward(signum)]
 
     def exited(self, status: int) -> list[RunAction]:
+        if self.phase == "ending" and self.state != "ended":
+            return self._ended(status)
         self.state = "ended"
         return [Exit(status)]
 

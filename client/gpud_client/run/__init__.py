@@ -9,7 +9,6 @@ docs/run.md. ``main`` is the command line; ``python -m gpud_client.run`` runs it
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import IO
@@ -20,8 +19,9 @@ from gpud_client.errors import DaemonUnavailable, GpudError
 from gpud_client.proctl.base import Backend
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.signals import SignalBackend
+from gpud_client.run.allocation import Listener, allocate, connect, gpu_free, tree_memory
 from gpud_client.run.options import CommandError, RunOptions, check_command, parse
-from gpud_client.run.supervisor import Supervisor, connect
+from gpud_client.run.supervisor import Supervisor
 from gpud_client.runinfo import run_labels
 
 __all__ = ["RunOptions", "Supervisor", "main", "parse", "run_program"]
@@ -44,7 +44,10 @@ def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
         if opts.pause == "auto":
             sup.say("pausing with the CUDA driver's checkpoint API (cuda); SIGSTOP for processes without CUDA")
         return CudaBackend(
-            driver=driver, lock_timeout_ms=opts.lock_timeout_ms, gpu_free=sup.gpu_free, tree_memory=sup.tree_memory
+            driver=driver,
+            lock_timeout_ms=opts.lock_timeout_ms,
+            gpu_free=lambda: gpu_free(sup.client, sup.session),
+            tree_memory=lambda: tree_memory(sup.client, sup.session),
         )
     driver.close()
     if opts.pause == "cuda":
@@ -81,8 +84,9 @@ def run_program(
         sup.say(str(exc))
         return exc.status
     exclusive = opts.whole_gpus
+    suspends = opts.on_preempt == "suspend"  # whole GPUs too: a backend pauses the program, no lock
     try:
-        backend = None if exclusive else choose_backend(opts, sup)
+        backend = None if exclusive and not suspends else choose_backend(opts, sup)
     except _Fail as exc:
         sup.say(str(exc))
         return 1
@@ -93,15 +97,9 @@ def run_program(
             opts, run_labels(opts.command, keeper.program_pid, backend.name if backend else "none"), sup.say
         )
         if client is not None and opts.gpus is not None:
-            allocated = client.allocate(
-                opts.task_id(),
-                opts.gpus,
-                cpus=opts.cpus,
-                tenant=opts.tenant,
-                priority=opts.priority,
-                wait_ms=opts.wait_ms,
-                owner_pid=os.getpid(),  # the run frees it; killed, gpud reclaims it at once
-            )
+            task_id = opts.task_id()
+            client.add_allocation_listener(Listener(task_id, sup.post))
+            allocated = allocate(client, opts, task_id, opts.wait_ms)
         if client is not None and opts.gpus is None and opts.task is not None:
             _check_joined(client, opts)
     except DaemonUnavailable as exc:
@@ -113,7 +111,7 @@ def run_program(
     except GpudError as exc:
         sup.say(f"gpud refused the allocation: {exc}")
         return _abandon(keeper, client, backend)
-    sup.use(backend if client is not None and not exclusive else None)
+    sup.use(backend if client is not None else None, arbitrated=not exclusive)
     if backend is not None and sup.backend is None:
         backend.close()
     try:

@@ -3,9 +3,10 @@
 Two ways to give the program a GPU: a place on one GPU like a session (``--gpu``,
 ``--core-limit``, ``--mem-limit``, ``--mem-estimate``, ``--priority``), or an
 allocation as ``gpuctl alloc`` makes it (``--gpus``, ``--cpus``, ``--task``,
-``--tenant``, ``--wait``), owned by the run. Options that belong to the other way, or
-that would do nothing, are refused with the reason; so is a command that cannot be
-found (exit 127) or executed (126).
+``--tenant``, ``--wait``), owned by the run, with what the run does when gpud takes it
+back (``--on-preempt``, ``--checkpoint-signal``, ``--on-resize``). Options that belong to
+the other way, or that would do nothing, are refused with the reason; so is a command
+that cannot be found (exit 127) or executed (126).
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpud_client import argtypes as at
 from gpud_client import protocol as p
 from gpud_client.argtypes import UsageError
+from gpud_client.core.recovery import Resize
 
 PAUSE_BACKENDS = ("auto", "cuda", "signal")
+RECOVERIES = tuple(r.value for r in p.Recovery)
+RESIZES = ("restart", "keep")
 NOT_FOUND, NOT_EXECUTABLE = 127, 126
 
 
@@ -45,11 +50,16 @@ class RunOptions:
     mem_estimate: int | None = None
     priority: int | str | None = None
     # an allocation (gpus not None)
-    gpus: float | None = None
+    gpus: float | None = None  # with gpus_max: an elastic allocation's minimum
+    gpus_max: int | None = None
     cpus: int = 0
     task: str | None = None
     tenant: str | None = None
     wait_ms: int = 0
+    # when gpud takes the allocation back
+    on_preempt: str = "terminate"
+    checkpoint_signal: int = signal.SIGUSR1
+    on_resize: Resize = "restart"
     # how
     pause: str = "auto"
     idle_release: float | None = None
@@ -68,7 +78,14 @@ class RunOptions:
 
 
 _SESSION_ONLY = {"gpu": "--gpu"}
-_ALLOCATION_ONLY = {"cpus": "--cpus", "tenant": "--tenant", "wait_ms": "--wait"}
+_ALLOCATION_ONLY = {
+    "cpus": "--cpus",
+    "tenant": "--tenant",
+    "wait_ms": "--wait",
+    "on_preempt": "--on-preempt",
+    "checkpoint_signal": "--checkpoint-signal",
+    "on_resize": "--on-resize",
+}
 _SHARED_GPU_ONLY = {
     "core_limit": "--core-limit",
     "mem_limit": "--mem-limit",
@@ -93,7 +110,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     one.add_argument("--mem-estimate", type=at.size_arg, metavar="SIZE", help="GPU memory admission counts")
     one.add_argument("--priority", type=at.priority_arg, help=f"{at.bounds(p.Priority)} (or a class, allocations)")
     alloc = ap.add_argument_group("an allocation, owned by the run and freed when it ends")
-    alloc.add_argument("--gpus", type=at.gpus, help="whole number >= 1 (exclusive) or a fraction of one GPU")
+    alloc.add_argument(
+        "--gpus",
+        type=at.gpus_or_range,
+        help="whole number >= 1 (exclusive), a fraction of one GPU, or MIN..MAX whole GPUs (elastic)",
+    )
     alloc.add_argument("--cpus", type=at.cpus, help="CPU cores")
     alloc.add_argument(
         "--task",
@@ -103,6 +124,21 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     alloc.add_argument("--tenant", type=at.tenant)
     alloc.add_argument("--wait", dest="wait_ms", type=at.wait, metavar="SECONDS", help="wait up to this long for room")
+    pre = ap.add_argument_group("when gpud takes the allocation back (docs/run.md)")
+    pre.add_argument(
+        "--on-preempt",
+        choices=RECOVERIES,
+        help="terminate (default): SIGTERM, SIGKILL at the grace's end; checkpoint: signal, wait, start again "
+        "with GPUD_RESUME=1; suspend: pause until the devices are back; shrink: elastic only; fail: end, exit 1",
+    )
+    pre.add_argument(
+        "--checkpoint-signal", type=signal_arg, metavar="SIG", help="checkpoint: the signal to send (USR1)"
+    )
+    pre.add_argument(
+        "--on-resize",
+        choices=RESIZES,
+        help="elastic: restart (default) the program on its new GPUs, or keep it running as it is",
+    )
     how = ap.add_argument_group("how the program is paused")
     how.add_argument(
         "--pause",
@@ -167,16 +203,18 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
     def refuse(message: str) -> UsageError:
         return UsageError(message, ap.format_usage(), prog)
 
+    elastic = isinstance(args.gpus, at.GpuRange)
     if args.gpus is not None:
         if "gpu" in given:
             raise refuse("--gpu (a place on one GPU) and --gpus (an allocation) do not go together: pick one")
         if args.gpus == 0:
             raise refuse("argument --gpus: a run needs a GPU: a whole number >= 1 or a fraction 0 < x < 1")
-        if args.gpus >= 1:
+        _check_recovery(args, elastic, refuse)
+        if elastic or args.gpus >= 1:
             useless = [flag for key, flag in _SHARED_GPU_ONLY.items() if key in given]
             if useless:
                 raise refuse(
-                    f"{', '.join(useless)} do nothing with whole GPUs (--gpus {args.gpus:g}): "
+                    f"{', '.join(useless)} do nothing with whole GPUs (--gpus {_shown(args.gpus)}): "
                     "the program has them to itself and is never paused"
                 )
     else:
@@ -194,11 +232,15 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         mem_limit=args.mem_limit,
         mem_estimate=args.mem_estimate,
         priority=args.priority,
-        gpus=args.gpus,
+        gpus=float(args.gpus.min) if elastic else args.gpus,
+        gpus_max=args.gpus.max if elastic else None,
         cpus=args.cpus or 0,
         task=args.task,
         tenant=args.tenant,
         wait_ms=args.wait_ms or 0,
+        on_preempt=args.on_preempt or "terminate",
+        checkpoint_signal=signal.SIGUSR1 if args.checkpoint_signal is None else args.checkpoint_signal,
+        on_resize=args.on_resize or "restart",
         pause=args.pause,
         idle_release=args.idle_release,
         signal_grace=args.signal_grace,
@@ -206,6 +248,42 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         on_missing=args.on_missing,
         trace=args.trace,
     )
+
+
+def signal_arg(text: str) -> int:
+    """A signal a program can catch, by name (USR1, SIGUSR1) or number."""
+    name = text.strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(name))
+            if name.isdigit()
+            else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        )
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a signal: {text!r} (e.g. USR1, SIGUSR2, 10)") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise argparse.ArgumentTypeError(f"{sig.name} cannot be caught: the program could not checkpoint on it")
+    return int(sig)
+
+
+def _shown(gpus: float | at.GpuRange) -> str:
+    return f"{gpus.min}..{gpus.max}" if isinstance(gpus, at.GpuRange) else f"{gpus:g}"
+
+
+def _check_recovery(args: argparse.Namespace, elastic: bool, refuse: Callable[[str], UsageError]) -> None:
+    """What the run does when gpud takes the allocation back must fit the allocation."""
+    recovery = args.on_preempt or "terminate"
+    if args.checkpoint_signal is not None and recovery != "checkpoint":
+        raise refuse("--checkpoint-signal goes with --on-preempt checkpoint (the signal that asks for a checkpoint)")
+    if recovery == "shrink" and not elastic:
+        raise refuse(
+            f"--on-preempt shrink needs an elastic allocation (--gpus MIN..MAX), not --gpus {_shown(args.gpus)}: "
+            "only the GPUs above its minimum can be given back"
+        )
+    if args.on_resize is not None and not elastic:
+        raise refuse(
+            f"--on-resize does nothing without an elastic allocation (--gpus MIN..MAX), not --gpus {_shown(args.gpus)}"
+        )
 
 
 def check_command(command: list[str], path: str | None = None) -> str:

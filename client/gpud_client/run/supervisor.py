@@ -6,12 +6,14 @@ session's grant when the core asks for the lock; a watcher waits for the program
 end (the keeper's socket); the session's hooks (DROP_LOCK, a lost lock, PARK) and
 the signals SIGINT, SIGTERM and SIGHUP only put an event on the queue. So a pause,
 a park and a resume never overlap, and a DROP_LOCK is answered as soon as the
-tree is paused: the queue wakes the main thread at once.
+tree is paused: the queue wakes the main thread at once. gpud's pushes about the
+run's allocation (``run/allocation.py``) come the same way, from the client's
+reader; an ALLOCATE that waits for room again has a thread of its own. A program
+started again (a checkpoint, a resize) gets a fresh keeper.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import select
@@ -19,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
@@ -27,6 +28,7 @@ from typing import IO, Any
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
 from gpud_client.core.run import (
+    Allocate,
     AnswerPark,
     EndProgram,
     Exit,
@@ -38,70 +40,30 @@ from gpud_client.core.run import (
     Resume,
     RunAction,
     RunCore,
+    Say,
     Start,
+    UseAllocation,
+    Yield,
 )
-from gpud_client.errors import DaemonUnavailable, GpudError, LockLost
+from gpud_client.errors import GpudError, LockLost
 from gpud_client.proctl.base import Backend, ControlError
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.tree import ProcessTree
+from gpud_client.run.allocation import PREEMPT_ENV, allocate_again, free, give_back, program_env, trace_fields
 from gpud_client.run.options import RunOptions
-from gpud_client.taskenv import allocation_env
+from gpud_client.run.trace import Trace
 from gpud_client.units import printable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TICK_S = 0.1  # how often a running program's activity is looked at (idle release, signal grace)
-FOREVER_S = 365 * 86400.0  # how long a paused program waits for gpud to come back
 
 
 @dataclass(frozen=True, slots=True)
 class _Event:
-    kind: str  # granted, grant_failed, drop, lost, park, exited, signal
+    kind: str  # granted, grant_failed, drop, lost, park, exited, signal; preempt, withdrawn, revoked,
+    # changed, reallocated, reallocation_failed
     value: Any = None
     t_ns: int = field(default_factory=time.monotonic_ns)  # when it happened (the hook ran), for --trace
-
-
-class Trace:
-    """``--trace FILE``: one JSON line per event and per action carried out, with
-    ``time.monotonic_ns()`` (one clock for every process of the machine): when a DROP_LOCK
-    came, when the tree was paused, when LOCK_RELEASED went, parks and restores with their
-    bytes. For operators diagnosing a run, and for bench/run_share.py and bench/gpu_run.py.
-
-    Events are ``{"t", "event", ...}``: granted, drop, lost, park (gpud's PARK), signal, exited,
-    grant_failed. Actions are ``{"t", "action", ...}`` with their fields: start, pause (why), resume,
-    release, parked (ok, bytes), answerpark (ok, message), forward (signal), endprogram (why),
-    exit (status, why)."""
-
-    def __init__(self, path: str | None) -> None:
-        self.out = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
-        self.pending: list[dict[str, Any]] = []
-
-    def event(self, what: str, t_ns: int | None = None, **fields: Any) -> None:
-        """Something that happened (its time: when the hook ran), written at once."""
-        if self.out is None:
-            return
-        record = {"t": time.monotonic_ns() if t_ns is None else t_ns, "event": what}
-        record.update((k, v) for k, v in fields.items() if v is not None)
-        self.out.write(json.dumps(record) + "\n")
-
-    def did(self, action: RunAction, t_ns: int, moved: int | None) -> None:
-        """An action carried out, stamped when it was done and written once the actions of that event
-        are (``flush``): no file write between a pause and its LOCK_RELEASED."""
-        fields = {k: getattr(action, k) for k in action.__dataclass_fields__}
-        if isinstance(action, Park):  # the action is "parked", so that it differs from the PARK event
-            record = {"t": t_ns, "action": "parked", "ok": moved is not None, "bytes": moved}
-        else:
-            record = {"t": t_ns, "action": type(action).__name__.lower(), **fields}
-        self.pending.append(record)
-
-    def flush(self) -> None:
-        if self.out is not None and self.pending:
-            self.out.write("".join(json.dumps(r) + "\n" for r in self.pending))
-            self.pending.clear()
-
-    def close(self) -> None:
-        if self.out is not None:
-            self.flush()
-            self.out.close()
 
 
 class Supervisor:
@@ -115,7 +77,14 @@ class Supervisor:
         self.prog = prog
         self.err = err or sys.stderr
         self.events: queue.Queue[_Event] = queue.Queue()
-        self.core = RunCore(idle_release=opts.idle_release, signal_grace=opts.signal_grace, arbitrated=False)
+        self.core = RunCore(
+            idle_release=opts.idle_release,
+            signal_grace=opts.signal_grace,
+            arbitrated=False,
+            recovery=opts.on_preempt,
+            on_resize=opts.on_resize,
+            checkpoint_signal=opts.checkpoint_signal,
+        )
         self.client: Client | None = None
         self.session: Session | None = None
         self.keeper: Keeper | None = None
@@ -123,35 +92,17 @@ class Supervisor:
         self.env: dict[str, str] = dict(os.environ)
         self.cpus: list[int] = []
         self.owned_task: str | None = None
+        self.program_ran = False  # the keeper's program has been let go: a start needs a fresh keeper
         self._want_lock = threading.Semaphore(0)
         self._stopping = threading.Event()
         self._told_fallback = False
 
-    def use(self, backend: Backend | None) -> None:
-        """Pause the program with ``backend``; None: it is never paused (whole GPUs, or no gpud)."""
+    def use(self, backend: Backend | None, *, arbitrated: bool | None = None) -> None:
+        """Pause the program with ``backend`` (None: never paused); ``arbitrated`` (default: with a
+        backend): only while a session holds the lock. Whole GPUs have one only to be suspended."""
         self.backend = backend
-        self.core.arbitrated = backend is not None
+        self.core.arbitrated = backend is not None if arbitrated is None else arbitrated and backend is not None
         self.core.can_park = backend is not None and backend.can_park
-
-    def gpu_free(self) -> int | None:
-        """Free memory on the run's GPU by gpud's NVML reading, for the claim before a restore;
-        None: unknown (simulated GPUs, no session)."""
-        if self.client is None or self.session is None:
-            return None
-        status: p.StatusReply = self.client.call(p.Status(id=0))
-        gpu = next((g for g in status.gpus if g.index == self.session.gpu), None)
-        if gpu is None or gpu.memory_used_bytes is None:
-            return None
-        return gpu.memory_total_bytes - gpu.memory_used_bytes
-
-    def tree_memory(self) -> int | None:
-        """What the program's tree holds on the GPU, as gpud measures it (NVML per process); None:
-        unknown."""
-        if self.client is None or self.session is None:
-            return None
-        reply: p.ClientsReply = self.client.call(p.ListClients(id=0))
-        mine = (s for c in reply.clients for s in c.sessions if s.session == self.session.id)
-        return next((s.mem_used_bytes for s in mine), None)
 
     def say(self, text: str) -> None:
         print(f"{self.prog}: {text}", file=self.err, flush=True)
@@ -164,12 +115,13 @@ class Supervisor:
         self.keeper, self.tree, self.client = keeper, ProcessTree(keeper.pid), client
         if allocated is not None:
             self.owned_task = allocated.task_id
-            self.env.update(allocation_env(allocated, client.path if client else None))
-            self.cpus = list(allocated.cpus)
+            self.core.use_allocation(allocated)
+            self._use_allocation(allocated, resume=allocated.resume)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED} if self.forward_signals else {}
         try:
-            if client is not None and self.backend is not None:
+            if client is not None and self.core.arbitrated:
                 self._open_session(client, allocated)
+                threading.Thread(target=self._lock_loop, name="gpud-run-lock", daemon=True).start()
             return self._loop()
         finally:
             for sig, handler in previous.items():
@@ -197,7 +149,18 @@ class Supervisor:
             self.env["CUDA_VISIBLE_DEVICES"] = str(self.session.gpu)
             self.env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             self.env["GPUD_SOCKET"] = client.path
-        threading.Thread(target=self._lock_loop, name="gpud-run-lock", daemon=True).start()
+
+    def _use_allocation(self, allocated: p.Allocated, *, resume: bool) -> None:
+        """The next start runs on ``allocated``: its environment and CPU cores."""
+        for key in PREEMPT_ENV:
+            self.env.pop(key, None)  # never inherited: this run says what holds for its program
+        path = self.client.path if self.client is not None else None
+        self.env.update(program_env(self.opts, allocated, resume=resume, socket_path=path))
+        self.cpus = list(allocated.cpus)
+
+    def post(self, kind: str, value: Any = None) -> None:
+        """An event for the run's loop, from any thread (the allocation listener's, say)."""
+        self.events.put(_Event(kind, value))
 
     def _loop(self) -> int:
         pending = self.core.begin(time.monotonic())
@@ -218,10 +181,10 @@ class Supervisor:
 
     def _handle(self, ev: _Event, now: float) -> list[RunAction]:
         core = self.core
-        self.trace.event(ev.kind, ev.t_ns, value=ev.value if ev.kind in ("signal", "exited") else None)
+        self.trace.event(ev.kind, ev.t_ns, **trace_fields(ev.kind, ev.value))
         match ev.kind:
-            case "granted":
-                return core.granted(now)
+            case "granted":  # the session's: one closed since (a restart on another allocation) is not
+                return core.granted(now) if ev.value is self.session else []
             case "drop":
                 return core.dropped(now)
             case "lost":
@@ -234,6 +197,18 @@ class Supervisor:
                 return core.exited(ev.value)
             case "grant_failed":
                 return core.failed(f"gpud refused the program's session: {ev.value}")
+            case "preempt":
+                return core.preempted(ev.value, now)
+            case "withdrawn":
+                return core.withdrawn(now)
+            case "revoked":
+                return core.revoked(ev.value, now)
+            case "changed":
+                return core.changed(ev.value, now)
+            case "reallocated":
+                return core.reallocated(ev.value, now)
+            case "reallocation_failed":
+                return core.reallocation_failed(ev.value)
         raise AssertionError(ev.kind)
 
     def _activity(self) -> float | None:
@@ -269,7 +244,7 @@ class Supervisor:
     def _do(self, action: RunAction) -> list[RunAction] | int:
         self.core.last_park_bytes = None
         result = self._act(action)
-        if self.trace.out is not None and not isinstance(action, Request):
+        if self.trace.out is not None:
             self.trace.did(action, time.monotonic_ns(), self.core.last_park_bytes)
         return result
 
@@ -278,13 +253,7 @@ class Supervisor:
         assert keeper is not None and tree is not None
         match action:
             case Start():
-                try:
-                    keeper.go(self.env, self.cpus)
-                except OSError as exc:
-                    self.say(str(exc.strerror))
-                    return exc.errno or 1
-                # only now: before, the keeper's answer to go is not the program's end
-                threading.Thread(target=self._watch_program, name="gpud-run-program", daemon=True).start()
+                return self._start()
             case Pause():
                 assert backend is not None
                 paused = backend.pause(tree)
@@ -325,6 +294,43 @@ class Supervisor:
                 keeper.close()
             case Exit(status=status):
                 return status
+            case Yield():
+                assert self.client is not None and self.owned_task is not None
+                give_back(self.client, self.owned_task, self.say)
+            case Allocate():
+                assert self.client is not None and self.owned_task is not None
+                args = (self.client, self.opts, self.owned_task, self.post, self._stopping)
+                threading.Thread(target=allocate_again, args=args, name="gpud-run-allocate", daemon=True).start()
+            case UseAllocation(allocation=allocated, resume=resume):
+                self._use_allocation(allocated, resume=resume)
+                if self.session is not None:  # a fraction's session: on the GPU of its allocation now
+                    self._close_session()
+                    assert self.client is not None
+                    self._open_session(self.client, allocated)
+            case Say(text=text):
+                self.say(text)
+        return []
+
+    def _start(self) -> list[RunAction] | int:
+        """Let the program go; one that ran before starts afresh under a new keeper."""
+        if self.program_ran:
+            assert self.keeper is not None
+            self.keeper.close()
+            try:
+                self.keeper = Keeper.start(self.opts.command)
+            except OSError as exc:
+                self.say(f"could not start the program again: {exc}")
+                return 1
+            self.tree = ProcessTree(self.keeper.pid)
+        assert self.keeper is not None
+        self.program_ran = True
+        try:
+            self.keeper.go(self.env, self.cpus)
+        except OSError as exc:
+            self.say(str(exc.strerror))
+            return exc.errno or 1
+        # only now: before, the keeper's answer to go is not the program's end
+        threading.Thread(target=self._watch_program, name="gpud-run-program", daemon=True).start()
         return []
 
     # --- threads that only feed the queue -------------------------------------------------
@@ -333,20 +339,23 @@ class Supervisor:
         self.events.put(_Event("signal", signum))
 
     def _lock_loop(self) -> None:
-        session = self.session
-        assert session is not None
         while True:
             self._want_lock.acquire()
             if self._stopping.is_set():
                 return
+            session = self.session  # the current one: a fraction's restart may have moved it
+            if session is None:
+                continue
             try:
                 session.acquire()
             except GpudError as exc:
                 if self._stopping.is_set():
                     return
+                if session is not self.session:
+                    continue  # closed for a restart on another allocation: the next request is the new one's
                 self.events.put(_Event("grant_failed", exc))
                 return
-            self.events.put(_Event("granted"))
+            self.events.put(_Event("granted", session))
 
     def _watch_program(self) -> None:
         keeper = self.keeper
@@ -367,30 +376,15 @@ class Supervisor:
             self.backend.close()
         self.trace.close()
         if self.client is not None:
-            if self.session is not None:
-                try:
-                    self.session.close()
-                except GpudError:
-                    pass
-            if self.owned_task is not None:
-                try:
-                    self.client.release_allocation(self.owned_task)
-                except GpudError as exc:
-                    self.say(f"could not free the allocation of task {self.owned_task}: {exc}")
+            self._close_session()
+            if self.owned_task is not None:  # also withdraws an ALLOCATE that waits for room again
+                free(self.client, self.owned_task, self.say, gone=self.core.gone)
             self.client.close()
 
-
-def connect(opts: RunOptions, labels: dict[str, str], say: Callable[[str], None]) -> Client | None:
-    """A client for the run; None when gpud is missing and ``--on-missing run`` allows it."""
-    try:
-        return Client(
-            opts.socket,
-            name=opts.name,
-            labels=labels,
-            unavailable_timeout=FOREVER_S,  # a paused program waits for gpud's return
-        )
-    except DaemonUnavailable as exc:
-        if opts.on_missing != "run":
-            raise
-        say(f"{exc}; running the program without gpud (--on-missing run): nothing arbitrates it")
-        return None
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except GpudError:
+                pass
