@@ -24,7 +24,7 @@ TIERS = {
 }  # the demo's own daemon and client processes
 # Files whose tests run on one worker together when the suite runs in parallel (make test):
 # each starts Ray clusters, and two at once would only slow each other down.
-TOGETHER = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_ray_pause.py": "ray"}
+TOGETHER = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_ray_pause.py": "ray", "test_ray_preempt.py": "ray"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -34,6 +34,11 @@ lock back and goes on at its next grant, so a task of any length keeps to its sh
 revoked for not answering. Ray runs tasks and sync actors' calls on the worker's main thread, which is
 what can be paused so; a threaded or async actor's call answers at its end, as a ``gpud_slice()`` does.
 
+A task's ``on_preempt`` says what happens when gpud takes its allocation back (``gpud_client.preempted``):
+``terminate`` stops the body with ``TaskPreempted``, which Ray retries under ``retry_exceptions=[TaskPreempted]``;
+``checkpoint`` first tells it to save (SIGUSR1, or ``preempted.requested()``), and its retry starts with
+GPUD_RESUME=1; ``fail`` ends it with ``TaskPreemptedNoRetry``. Actors' allocations carry out none.
+
 The node's gpud is found from the ``socket`` argument, else ``$GPUD_SOCKET`` as
 the node's Ray was started with (workers inherit the raylet's environment),
 else ``/run/gpud/gpud.sock``. A node without gpud fails the task with a clear
@@ -54,7 +59,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 try:
@@ -66,9 +71,12 @@ except ImportError as exc:  # the base client needs msgspec alone; this module n
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
-from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
+from gpud_client.errors import GpudError, ProtocolError
 from gpud_client.frameworks import torch_synchronize
 from gpud_client.pausing import PausableSlice, Slices
+from gpud_client.preempted import Preemption, check, signal_number
+from gpud_client.ray_node import GpudNotOnNode as GpudNotOnNode  # re-exported: a task fails with it
+from gpud_client.ray_node import Options, client_of
 from gpud_client.units import parse_bytes
 
 if TYPE_CHECKING:  # gpud_client.run is imported where pause= is used
@@ -77,21 +85,6 @@ if TYPE_CHECKING:  # gpud_client.run is imported where pause= is used
 log = logging.getLogger("gpud_client.ray")
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
-Memory = Literal["proportional"] | int | str | None
-
-
-class GpudNotOnNode(GpudError):
-    """The Ray node that runs the task has no reachable gpud, and ``on_missing`` is "fail"."""
-
-
-@dataclass(frozen=True)
-class Options:
-    socket: str | None = None  # None: $GPUD_SOCKET of the worker (the node's), else the default path
-    memory: Memory = "proportional"  # a size (no more than the share), or None: memory not enforced
-    on_missing: Literal["fail", "warn"] = "fail"
-    wait_s: float = 0.0  # how long the allocation may wait for room on gpud's ledger
-    idle_release: float | None = 1.0  # a lock no slice used this long goes back between slices
-    priority: int = 0
 
 
 class Binding:
@@ -107,27 +100,40 @@ class Binding:
         self.task_id = ""
         self.sessions: list[Session] = []
         self.place: Place | None = None
+        self.preemption: Preemption | None = None
+        self.resume = False
 
-    def open(self) -> Binding:
+    def open(self, recover: bool = False) -> Binding:
+        """``recover``: a task's, whose body is stopped or told to checkpoint when gpud preempts it."""
         ctx = ray.get_runtime_context()
         ids = sorted(int(i) for i in ctx.get_accelerator_ids().get("GPU", []))
         amount = float(ctx.get_assigned_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
         if not ids or amount <= 0:
             return self  # no GPU: nothing to arbitrate
-        self.client = _client(self.options)
+        self.client = client_of(self.options)
         if self.client is None:
             return self
         self.task_id = f"ray.{ctx.get_job_id()}.{self.key}"
         share = amount if amount < 1 else float(len(ids))
         try:
             self._free_earlier_attempt()
+            if recover:  # listening from before the ALLOCATE: a notice may follow at once
+                self.preemption = Preemption(
+                    self.client,
+                    self.task_id,
+                    self.options.on_preempt,
+                    checkpoint_signal=signal_number(self.options.checkpoint_signal, "gpud_task"),
+                    run_name=f"ray-run:{os.getpid()}" if self.pause is not None else None,
+                )
             allocated = self.client.allocate(
                 self.task_id,
                 gpus=share,
                 prefer=list(ids),
                 owner_pid=os.getpid(),
                 wait_ms=round(self.options.wait_s * 1000),
+                on_preempt=self.options.on_preempt if recover else "terminate",
             )
+            self.resume = allocated.resume
             if sorted(allocated.gpus) != ids:
                 raise GpudError(
                     f"gpud placed {self.task_id} on GPU {allocated.gpus}, not on the GPU {ids} Ray assigned: "
@@ -194,6 +200,10 @@ class Binding:
             return self.sessions[0].slice()
         return Slices(self.sessions) if self.sessions else contextlib.nullcontext()
 
+    def running(self) -> contextlib.AbstractContextManager[Any]:
+        """A task's body runs in it: a preemption carried out (gpud_client.preempted), GPUD_RESUME=1 set."""
+        return self.preemption.running(self.resume) if self.preemption else contextlib.nullcontext()
+
     def body(self) -> PausableSlice:
         """A whole body (or a sync actor's call) as one slice that gpud may pause where it stands."""
         return PausableSlice(self.sessions)
@@ -203,7 +213,9 @@ class Binding:
         sessions, self.sessions = self.sessions, []
         for s in sessions:
             s.close()
-        if self.client is not None and self.task_id:
+        if self.preemption is not None:
+            self.preemption.close()
+        if self.client is not None and self.task_id and not (self.preemption and self.preemption.yielded):
             try:
                 self.client.release_allocation(self.task_id)
             except GpudError as exc:
@@ -215,45 +227,12 @@ class Binding:
 
 # --- per worker process ---------------------------------------------------------
 
-_lock = threading.Lock()
-_clients: dict[str, Client] = {}
 _bindings: dict[str, Binding] = {}  # Ray task or actor id -> its binding
 _defaults = Options()  # what setup_hook / enable() chose for this worker
 # The binding of the task running in this thread, and of the actor this worker is: found without asking
 # Ray's runtime context at every slice (tens of microseconds, billed as held time between kernels).
 _running = threading.local()
 _actor: list[Binding] = []
-
-
-def _client(options: Options) -> Client | None:
-    """This worker's client of its node's gpud (one per socket path). None: none, and that is allowed."""
-    path = p.resolve_socket_path(options.socket)
-    with _lock:
-        client = _clients.get(path)
-        if client is not None:
-            return client
-        try:
-            client = Client(path, name=_client_name(), labels=_labels())
-        except DaemonUnavailable as exc:
-            node = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-            if options.on_missing == "fail":
-                raise GpudNotOnNode(
-                    f"no gpud on Ray node {node}: {exc}. Run gpud on every GPU node and start Ray there with "
-                    "GPUD_SOCKET set if it listens elsewhere, or pass on_missing='warn' to run unarbitrated"
-                ) from None
-            log.warning("no gpud on Ray node %s (%s): running without GPU arbitration", node, exc)
-            return None
-        _clients[path] = client
-        return client
-
-
-def _client_name() -> str:
-    return f"ray:{os.getpid()}"
-
-
-def _labels() -> dict[str, str]:
-    ctx = ray.get_runtime_context()
-    return {"ray_job": ctx.get_job_id(), "ray_node": ctx.get_node_id()[:16]}
 
 
 def _current_key() -> str:
@@ -310,6 +289,8 @@ def gpud_task(
 
     def wrap(func: F) -> F:
         chosen = replace(_defaults, **options)
+        check(chosen.on_preempt, "gpud_task")
+        signal_number(chosen.checkpoint_signal, "gpud_task")
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -324,16 +305,17 @@ def _run_task(
     func: Callable[..., Any], options: Options, whole: bool, args: Any, kwargs: Any, pause: Pause | None = None
 ) -> Any:
     key = _current_key()
-    binding = _bindings[key] = _running.binding = Binding(key, options, pause).open()
+    binding = _bindings[key] = _running.binding = Binding(key, options, pause).open(recover=True)
     try:
-        if binding.place is not None:  # supervised from this thread: Ray's cancel ends the child's tree
-            from gpud_client.run.pycall import call_under_run
+        with binding.running():
+            if binding.place is not None:  # supervised from this thread: Ray's cancel ends the child's tree
+                from gpud_client.run.pycall import call_under_run
 
-            return call_under_run(binding.place, func, args, kwargs, pickler="ray.cloudpickle")
-        if whole:
-            with binding.body():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+                return call_under_run(binding.place, func, args, kwargs, pickler="ray.cloudpickle")
+            if whole:
+                with binding.body():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
     finally:
         _bindings.pop(key, None)
         _running.binding = None
@@ -407,7 +389,7 @@ def enable(**options: Any) -> None:
     node without gpud is found (and, with on_missing="fail", refused) when the worker starts."""
     global _defaults
     _defaults = replace(_defaults, **options)
-    _client(_defaults)
+    client_of(_defaults)
 
 
 def setup_hook() -> None:
