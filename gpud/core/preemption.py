@@ -20,7 +20,7 @@ Everything is in the ledger's fixed point (one GPU = ``UNIT``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -236,14 +236,16 @@ def _aimed(fit: _Fit, chosen: list[Candidate], pool: Sequence[Candidate], strate
     if 0 < fit.need.gpus < UNIT and not fit.gpus_fit():
         best: list[Candidate] | None = None
         best_cost: tuple[Any, ...] = ()
-        # GPUs in the order of a bound no cover on them can beat: once a bound is above the best
-        # cost found, so is every later GPU's (a thousand GPUs are not all looked at).
-        bounded = sorted(
-            by_gpu.items(), key=lambda item: _bound(item[1], fit.need.gpus - fit.free_on(item[0]), strategy)
-        )
-        for g, on in bounded:
+        # Newest first: GPUs in the order of a bound no cover on them can beat (the newest there), so
+        # that once a bound is above the best cost found, so is every later GPU's. The other costs'
+        # bounds tie too often to pay for the sorting.
+        newest = strategy == PreemptStrategy.NEWEST_FIRST
+        gpus: Iterable[tuple[int, list[Candidate]]] = by_gpu.items()
+        if newest:
+            gpus = sorted(gpus, key=lambda item: _bound(item[1], fit.need.gpus - fit.free_on(item[0]), strategy))
+        for g, on in gpus:
             short = fit.need.gpus - fit.free_on(g)
-            if best is not None and _bound(on, short, strategy) > best_cost:
+            if newest and best is not None and _bound(on, short, strategy) > best_cost:
                 break
             picked = _cover(short, on, strategy, key)
             if picked is None:
