@@ -157,7 +157,7 @@ def _holding(request: GpuRequest, context: Context, operator: Any = None) -> Ite
             allocated.waited_ms,
         )
         ti.xcom_push(key=XCOM_KEY, value=_as_dict(allocated))
-        with preemption.running(allocated.resume):  # GPUD_RESUME=1 after a checkpoint
+        with preemption.running(allocated.resume, allocated.preemption_grace_s):  # GPUD_RESUME=1 after a checkpoint
             yield allocated
     finally:
         preemption.close()

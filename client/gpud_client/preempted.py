@@ -22,7 +22,7 @@ entered on the main thread), from a thread of its own:
 When the code has ended: YIELD (the devices go back now), and the try ends with the integration's
 error for a retry (terminate, checkpoint) or for none (fail), whatever the code returned or
 raised; a normal return stands only when the notice was withdrawn. The task's next allocation says
-``resume`` after a checkpoint: ``running(resume)`` sets GPUD_RESUME=1, with GPUD_ON_PREEMPT and
+``resume`` after a checkpoint: ``running(resume, grace_s)`` sets GPUD_RESUME=1, with GPUD_PREEMPT_GRACE_S, GPUD_ON_PREEMPT and
 GPUD_PREEMPT_SIGNAL, in ``os.environ`` for the try. suspend and shrink are refused (``check``): the
 task's process holds the allocation and cannot pause itself whole, nor restart on fewer GPUs;
 ``gpuctl run --on-preempt suspend`` does both.
@@ -64,7 +64,7 @@ __all__ = [
 
 log = logging.getLogger("gpud_client.preempted")
 RECOVERIES = ("terminate", "checkpoint", "fail")  # what an integration carries out on its own process
-_ENV = ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")
+_ENV = ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_GRACE_S", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")
 _running: list[Preemption] = []  # the try that runs in this process now
 
 
@@ -167,10 +167,11 @@ class Preemption:
     # --- the try -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def running(self, resume: bool = False) -> Iterator[Preemption]:
+    def running(self, resume: bool = False, grace_s: float | None = None) -> Iterator[Preemption]:
         """The task's code runs in this block: on the main thread, with the signals' handlers, the
-        environment and the preemption's thread; at its end the outcome (see the module's comment)."""
-        self._enter(resume)
+        environment (``grace_s``: the daemon's grace, as ALLOCATED says it) and the preemption's
+        thread; at its end the outcome (see the module's comment)."""
+        self._enter(resume, grace_s)
         try:
             yield self
         except BaseException as exc:
@@ -182,8 +183,10 @@ class Preemption:
         if self.notice is not None and not self.withdrawn:
             raise self.error()
 
-    def _enter(self, resume: bool) -> None:
+    def _enter(self, resume: bool, grace_s: float | None) -> None:
         env = {"GPUD_ON_PREEMPT": str(self.recovery)}
+        if grace_s is not None:
+            env["GPUD_PREEMPT_GRACE_S"] = f"{grace_s:g}"
         if self.recovery == p.Recovery.CHECKPOINT:
             env["GPUD_PREEMPT_SIGNAL"] = signal.Signals(self.checkpoint_signal).name
         if resume:

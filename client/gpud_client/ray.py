@@ -101,7 +101,8 @@ class Binding:
         self.sessions: list[Session] = []
         self.place: Place | None = None
         self.preemption: Preemption | None = None
-        self.resume = False
+        self.resume = False  # what ALLOCATED said: this start resumes
+        self.grace_s: float | None = None  # and the daemon's grace
 
     def open(self, recover: bool = False) -> Binding:
         """``recover``: a task's, whose body is stopped or told to checkpoint when gpud preempts it."""
@@ -133,7 +134,7 @@ class Binding:
                 wait_ms=round(self.options.wait_s * 1000),
                 on_preempt=self.options.on_preempt if recover else "terminate",
             )
-            self.resume = allocated.resume
+            self.resume, self.grace_s = allocated.resume, allocated.preemption_grace_s
             if sorted(allocated.gpus) != ids:
                 raise GpudError(
                     f"gpud placed {self.task_id} on GPU {allocated.gpus}, not on the GPU {ids} Ray assigned: "
@@ -202,7 +203,7 @@ class Binding:
 
     def running(self) -> contextlib.AbstractContextManager[Any]:
         """A task's body runs in it: a preemption carried out (gpud_client.preempted), GPUD_RESUME=1 set."""
-        return self.preemption.running(self.resume) if self.preemption else contextlib.nullcontext()
+        return self.preemption.running(self.resume, self.grace_s) if self.preemption else contextlib.nullcontext()
 
     def body(self) -> PausableSlice:
         """A whole body (or a sync actor's call) as one slice that gpud may pause where it stands."""

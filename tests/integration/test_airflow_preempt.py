@@ -62,7 +62,12 @@ def test_a_preempted_task_checkpoints_is_retried_and_resumes_where_it_saved(
     task_id = gpud_id(DAG, run, "train")
     first = record(tmp_path, "train", 1, af)
     assert first["step"] == 0 and first["allocation"]["resume"] is False, first
-    assert first["env"] == {"GPUD_ON_PREEMPT": "checkpoint", "GPUD_PREEMPT_SIGNAL": "SIGUSR1", "GPUD_RESUME": None}
+    assert first["env"] == {
+        "GPUD_ON_PREEMPT": "checkpoint",
+        "GPUD_PREEMPT_GRACE_S": "10",
+        "GPUD_PREEMPT_SIGNAL": "SIGUSR1",
+        "GPUD_RESUME": None,
+    }
     eventually(lambda: step(tmp_path) >= 3, "the first try made progress", 45, af.diagnose)
     with Client(preempting.socket, name="production") as production:
         # granted once the task has saved, ended and yielded: long before the notice's 10 s run out

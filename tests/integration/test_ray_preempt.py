@@ -62,7 +62,7 @@ def ledger(socket: str) -> dict[str, Any]:
 def test_a_terminated_task_is_stopped_where_it_stands_and_ray_retries_it(node: DaemonProcess, tmp_path: Path) -> None:
     def work(out: str) -> dict[str, Any]:  # defined here: Ray's workers cannot import this module
         attempt = len(list(Path(out).glob("attempt.*"))) + 1
-        env = {k: os.environ.get(k) for k in ("GPUD_ON_PREEMPT", "GPUD_RESUME")}
+        env = {k: os.environ.get(k) for k in ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_GRACE_S", "GPUD_RESUME")}
         Path(out, f"attempt.{attempt}").write_text(json.dumps({"pid": os.getpid(), "env": env}))
         if attempt == 1:
             try:
@@ -91,7 +91,11 @@ def test_a_terminated_task_is_stopped_where_it_stands_and_ray_retries_it(node: D
         finally:
             production.release_allocation("production")
     got = ray.get(ref, timeout=RAY_WAIT_S)  # a second attempt: the first ended with TaskPreempted
-    assert got["attempt"] == 2 and got["env"] == {"GPUD_ON_PREEMPT": "terminate", "GPUD_RESUME": None}, got
+    assert got["attempt"] == 2 and got["env"] == {
+        "GPUD_ON_PREEMPT": "terminate",
+        "GPUD_PREEMPT_GRACE_S": "10",
+        "GPUD_RESUME": None,
+    }, got
     assert ledger(node.socket) == {"held": [], "waiting": []}
 
 

@@ -34,10 +34,11 @@ from .waiting import eventually, eventually_async
 CHECKPOINTER = str(Path(__file__).resolve().parents[1] / "programs" / "checkpointer.py")
 URGENT = 50  # a priority above spot's 0
 IGNORES_SIGTERM = (
-    "import signal, sys, time\n"
+    "import signal, sys\n"
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "open(sys.argv[1], 'w').write('start\\n')\n"
-    "time.sleep(600)\n"
+    "while True:\n"
+    "    signal.pause()  # until SIGKILL\n"
 )
 Daemons = Callable[..., DaemonProcess]
 Runs = Callable[..., Run]
@@ -82,7 +83,7 @@ def lines(path: Path) -> list[str]:
 
 def starts(path: Path) -> list[list[str]]:
     """The checkpointer's start lines: pid, CUDA_VISIBLE_DEVICES, GPUD_ON_PREEMPT, GPUD_PREEMPT_SIGNAL,
-    GPUD_RESUME."""
+    GPUD_RESUME, GPUD_PREEMPT_GRACE_S."""
     return [line.split()[1:] for line in lines(path) if line.startswith("start ")]
 
 
@@ -152,7 +153,8 @@ def test_checkpoint_signals_the_program_waits_for_the_gpu_and_starts_it_again_re
     resumed = eventually(lambda: [x for x in lines(log) if x.startswith("resume ")], "it started again")
     assert resumed == [f"resume {saved[0].split()[1]}"]  # from its own checkpoint
     first, second = eventually(lambda: s if len(s := starts(log)) == 2 else None, "two starts")
-    assert first[1:] == ["0", "checkpoint", "SIGUSR1", "-"] and second[1:] == ["0", "checkpoint", "SIGUSR1", "1"]
+    assert first[1:] == ["0", "checkpoint", "SIGUSR1", "-", "5"]  # the daemon's grace: how long it has to save
+    assert second[1:] == ["0", "checkpoint", "SIGUSR1", "1", "5"]
     assert first[0] != second[0]  # a new process
     eventually(lambda: counted(log) > int(saved[0].split()[1]), "it counts on from its checkpoint")
     r.proc.send_signal(signal.SIGTERM)
@@ -219,18 +221,18 @@ def test_an_elastic_run_restarts_its_program_on_the_gpus_it_keeps_then_on_those_
         d, "el", "--gpus", "1..2", "--task", "el-job", "--on-preempt", "shrink", "--trace", str(trace), program=program
     )
     first = eventually(lambda: starts(log), "the program started")[0]
-    assert first[1:] == ["0,1", "shrink", "-", "-"]
+    assert first[1:] == ["0,1", "shrink", "-", "-", "5"]
     with Client(d.socket, name="urgent") as c:
         got = c.allocate("urgent", 1, priority=URGENT, wait_ms=30_000)  # granted once the run yielded one GPU
         kept = [g for g in (0, 1) if g not in got.gpus]
         second = eventually(lambda: s[1] if len(s := starts(log)) >= 2 else None, "started again")
-        assert second[1:] == [",".join(map(str, kept)), "shrink", "-", "1"] and second[0] != first[0]
+        assert second[1:] == [",".join(map(str, kept)), "shrink", "-", "1", "5"] and second[0] != first[0]
         assert "signal 15" in lines(log)  # the first was ended with SIGTERM
         held = eventually(lambda: allocation(c, "el-job"), "its allocation")
         assert held.gpus == kept
         c.release_allocation("urgent")
     third = eventually(lambda: s[2] if len(s := starts(log)) >= 3 else None, "started again on both GPUs", 30)
-    assert third[1:] == ["0,1", "shrink", "-", "1"]
+    assert third[1:] == ["0,1", "shrink", "-", "1", "5"]
     r.proc.send_signal(signal.SIGTERM)
     assert r.wait() == 3
     changes = [x.get("change") for x in map(json.loads, lines(trace)) if x.get("event") == "changed"]
@@ -341,8 +343,7 @@ def test_the_asyncio_clients_listeners_run_in_its_loop_coroutines_included(
             assert asyncio.get_running_loop() is loop
             heard.append(push)
 
-        async def coroutine(push: Any) -> None:
-            await asyncio.sleep(0)
+        async def coroutine(push: Any) -> None:  # run as a task of its own
             awaited.append(push)
 
         async with await AsyncClient.connect(d.socket, name="holder") as c:

@@ -1,7 +1,7 @@
 """An unmodified program for ``gpuctl run`` preemption tests: it counts, checkpoints and resumes.
 
 It imports nothing of gpud and reads only the environment a run gives it. At start it appends
-``start PID CUDA_VISIBLE_DEVICES GPUD_ON_PREEMPT GPUD_PREEMPT_SIGNAL GPUD_RESUME`` to the log
+``start PID CUDA_VISIBLE_DEVICES GPUD_ON_PREEMPT GPUD_PREEMPT_SIGNAL GPUD_RESUME GPUD_PREEMPT_GRACE_S`` to the log
 (``-`` for what is not set); started with ``GPUD_RESUME=1`` it reads its counter back from the
 checkpoint file and appends ``resume N`` (``resume -`` and 0 when it has none: a restart on
 other devices that saved nothing). It then counts, one step every ``--every`` seconds, and
@@ -27,7 +27,7 @@ def main() -> int:
     args = ap.parse_args()
     out = open(args.log, "a", buffering=1)
     env = os.environ
-    fields = ("CUDA_VISIBLE_DEVICES", "GPUD_ON_PREEMPT", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")
+    fields = ("CUDA_VISIBLE_DEVICES", "GPUD_ON_PREEMPT", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME", "GPUD_PREEMPT_GRACE_S")
     out.write(f"start {os.getpid()} " + " ".join(env.get(k) or "-" for k in fields) + "\n")
     count = 0
     if env.get("GPUD_RESUME") == "1":

@@ -47,7 +47,8 @@ def gpud_preempt_checkpoint() -> None:
         told: list[int] = []
         signal.signal(signal.SIGUSR1, lambda signum, frame: told.append(signum))  # gpud's checkpoint signal
         allocation = msgspec.to_builtins(current_allocation())
-        env = {k: os.environ.get(k) for k in ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")}
+        keys = ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_GRACE_S", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")
+        env = {k: os.environ.get(k) for k in keys}
         write(out / f"train.{attempt}.json", {"step": step, "env": env, "allocation": allocation})
         deadline, end = time.monotonic() + DEADLINE_S, step + 3 if resumed else None
         while step != end and time.monotonic() < deadline:  # the work: steps, until told to leave
