@@ -31,7 +31,6 @@ from gpud.core.ledger import (
     Grown,
     Insufficient,
     Ledger,
-    LedgerEffect,
     Noticed,
     PreemptionConfig,
     Request,
@@ -40,6 +39,7 @@ from gpud.core.ledger import (
     TaskRecord,
     TenantQuota,
     Withdrawn,
+    recovery_told,
     to_fixed,
 )
 from gpud.host.config import Config
@@ -262,7 +262,7 @@ class Allocations(Part):
         cp = self.ledger.checkpoint()
         noticed = self.ledger.notice_of(task_id)
         _, effects = self.ledger.release(task_id, now)
-        self._sync(cp, f"task {task_id!r} was not freed", effects=effects)
+        self._sync(cp, f"task {task_id!r} was not freed")
         self._forget(task_id)
         log.info("allocation_freed", task_id=task_id, by_pid=conn.pid, preempted=noticed is not None)
         self.effects.carry_out(effects, now)
@@ -279,7 +279,7 @@ class Allocations(Part):
         released = self.ledger.allocations() + self.ledger.suspended()
         cp = self.ledger.checkpoint()
         effects = [e for alloc in released for e in self.ledger.release(alloc.task_id, now)[1]]
-        self._sync(cp, "no allocation was released", effects=effects)
+        self._sync(cp, "no allocation was released")
         for alloc in released:
             self._forget(alloc.task_id)
         log.warning("allocations_reset", by_pid=conn.pid, count=len(released))
@@ -316,7 +316,7 @@ class Allocations(Part):
         self._check_may_free(conn, alloc)
         cp = self.ledger.checkpoint()
         effects = self.ledger.yield_(msg.task_id, now)
-        self._sync(cp, f"task {msg.task_id!r} did not yield", effects=effects)
+        self._sync(cp, f"task {msg.task_id!r} did not yield")
         self.effects.carry_out(effects, now)
         return p.Ok(id=msg.id)
 
@@ -338,7 +338,7 @@ class Allocations(Part):
         gpu = self.refs.index(msg.gpu)
         cp = self.ledger.checkpoint()
         effects = self.ledger.drain(gpu, msg.on, now)
-        self._sync(cp, f"GPU {gpu} was not {'drained' if msg.on else 'put back'}", effects=effects, draining=True)
+        self._sync(cp, f"GPU {gpu} was not {'drained' if msg.on else 'put back'}", draining=True)
         self.slots[gpu].draining = msg.on
         log.warning("gpu_draining" if msg.on else "gpu_undrained", gpu=gpu, by_pid=conn.pid)
         self.effects.carry_out(effects, now)
@@ -383,20 +383,17 @@ class Allocations(Part):
             by=n.by,
             gpus=list(n.gpus),
             whole=n.whole,
-            recovery=a.on_preempt,
+            recovery=recovery_told(a, n),
             grace_s=round(grace_s, 3),
             priority=a.priority,
         )
         self.metrics.node.preemptions.labels(n.reason, self.config.preemption_strategy).inc()
         conn = self.holders.get(a.task_id)
         if conn is not None:
-            recovery = a.on_preempt
-            if n.whole and recovery == p.Recovery.SHRINK:  # a drain takes it whole: it ends
-                recovery = p.Recovery.TERMINATE
             push = p.Preempt(
                 task_id=a.task_id,
                 reason=n.reason,
-                recovery=recovery,
+                recovery=recovery_told(a, n),
                 gpus=list(n.gpus),
                 whole=n.whole,
                 grace_s=round(grace_s, 3),
@@ -454,7 +451,7 @@ class Allocations(Part):
         if not effects and self._retry_at is None:
             return
         try:  # (with no effects: a change the store refused before, tried again)
-            self._sync(cp, "the allocations' deadlines were not carried out", effects=effects)
+            self._sync(cp, "the allocations' deadlines were not carried out")
         except Refused:
             self._retry_at = now + STORE_RETRY_US  # not at once: the deadline stays due, the timer must not spin
             return
@@ -481,7 +478,7 @@ class Allocations(Part):
                 if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
                     cp = self.ledger.checkpoint()
                     _, effects = self.ledger.release(alloc.task_id, now)
-                    self._sync(cp, f"task {alloc.task_id!r} was not reclaimed", effects=effects)
+                    self._sync(cp, f"task {alloc.task_id!r} was not reclaimed")
                     self._forget(alloc.task_id)
                     log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
                     self.effects.carry_out(effects, now)
@@ -599,17 +596,11 @@ class Allocations(Part):
         refusal: str,
         uids: dict[str, int] | None = None,
         *,
-        effects: list[LedgerEffect] | None = None,
         draining: bool = False,
     ) -> None:
         """Store what one ledger change changed (every task whose record differs, the allocations
-        it served included); when the store cannot, roll the ledger back to ``cp`` and refuse
-        with ``store_failed``."""
-        for e in effects or []:
-            if isinstance(e, Served) and (w := self.waiters.get(e.allocation.task_id)) is not None:
-                self.uids.setdefault(e.allocation.task_id, w[0].uid)
-        for task_id, (conn, _, _) in self.waiters.items():
-            self.uids.setdefault(task_id, conn.uid)
+        it served included: a waiter's uid is known from its request); when the store cannot, roll
+        the ledger back to ``cp`` and refuse with ``store_failed``."""
         uids = {**self.uids, **(uids or {})}
         records = self.ledger.records(self._written)
         written = self._written

@@ -158,6 +158,14 @@ class Notice:
     by: str  # the waiting task, or "drain"
 
 
+def recovery_told(alloc: Allocation, notice: Notice) -> Recovery:
+    """What the holder of a notice is told to do: its recovery; but one that only ever shrinks, taken
+    whole (by a drain), ends."""
+    if notice.whole and alloc.on_preempt == Recovery.SHRINK:
+        return Recovery.TERMINATE
+    return alloc.on_preempt
+
+
 NEVER = 1 << 62  # a suspended allocation's wait has no deadline
 
 

@@ -109,10 +109,6 @@ class _Fit:
         return self.tenant_ok(chosen() if callable(chosen) else chosen)
 
 
-def fits_now(need: Need, room: Room, tenant_ok: TenantCheck) -> bool:
-    return _Fit(need, room, tenant_ok).fits(())
-
-
 def choose(
     need: Need,
     room: Room,
@@ -159,7 +155,7 @@ def _ordered(pool: Sequence[Candidate], strategy: PreemptStrategy) -> list[Candi
 
 def _cost(victims: Sequence[Candidate], strategy: PreemptStrategy) -> tuple[Any, ...]:
     """What a set of victims costs under ``strategy``: the cheapest set is chosen."""
-    count, units = len(victims), sum(c.share * len(c.gpus) for c in victims)
+    count, units = len(victims), sum(c.units for c in victims)
     match strategy:
         case PreemptStrategy.MINIMUM_VICTIMS:
             return (count, units)

@@ -1737,18 +1737,7 @@ def test_the_messages_before_an_oversized_frame_are_read_before_its_error() -> N
 
 
 def allocated_for(ask: p.Allocate, gpus: list[int]) -> p.Allocated:
-    return p.Allocated(
-        id=ask.id,
-        task_id=ask.task_id,
-        gpus=gpus,
-        uuids=[f"GPU-{g}" for g in gpus],
-        share=1.0,
-        cpus=[],
-        cuda_visible_devices=",".join(map(str, gpus)),
-        tenant=None,
-        priority=10,
-        owner_pid=None,
-    )
+    return msgspec.structs.replace(allocated(ask.task_id, gpus), id=ask.id)
 
 
 def test_a_reconnect_holds_the_clients_allocations_again_and_tells_of_one_gone() -> None:

@@ -155,7 +155,7 @@ def test_an_allocation_no_one_can_be_told_about_is_not_taken_back(node: Node) ->
 
 @pytest.fixture
 def owner() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # until a signal ends it
     try:
         yield proc
     finally:

@@ -12,27 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import trio
-from inprocess import Node, Peer  # tests/ is on the path of its top-level modules
+from inprocess import Node  # tests/ is on the path of its top-level modules
 
 from gpud.capabilities.allocations import STORE_RETRY_US
 from gpud_client import protocol as p
 
+from .test_preemption import alloc, production_waits
+
 GRACE_S = 10.0
 SETTINGS = {"preemption_grace_s": GRACE_S, "preemption_min_runtime_s": 0}
-
-
-def alloc(peer: Peer, task: str, **fields: object) -> p.Allocated:
-    reply = peer.call(p.Allocate(id=0, task_id=task, **fields))  # type: ignore[arg-type]
-    assert isinstance(reply, p.Allocated), reply
-    return reply
-
-
-def production_waits(node: Node, task: str = "prod") -> Peer:
-    """An admin's production request that waits (its victims are told); not answered yet."""
-    waiter = node.connect("prod", uid=0, gid=0)
-    waiter.send(p.Allocate(id=7, task_id=task, gpus=1.0, priority_class=p.PriorityClass.PRODUCTION, wait_ms=600_000))
-    assert waiter.received() == []
-    return waiter
 
 
 def test_a_suspended_allocation_keeps_its_preemption_count_and_resume_flag_across_a_crash(

@@ -505,7 +505,7 @@ def test_gpud_counts_a_runs_program_tree_only_for_its_own_grandchild() -> None:
     from gpud.serving.state import ClientLink
     from gpud_client.proctl.keeper import Keeper
 
-    keeper = Keeper.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    keeper = Keeper.start([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         program = keeper.program_pid
 
