@@ -367,8 +367,11 @@ class AsyncClient(AsyncDriver):
         await self.call(p.Free(id=0, task_id=task_id))
 
     async def allocations(self) -> p.AllocationsReply:
-        reply: p.AllocationsReply = await self.call(p.ListAllocations(id=0))
-        return reply
+        """Every allocation, read a page at a time (see ``protocol.join_pages``)."""
+        pages: list[p.AllocationsReply] = [await self.call(p.ListAllocations(id=0))]
+        while (after := pages[-1].next_after) is not None:
+            pages.append(await self.call(p.ListAllocations(id=0, after=after)))
+        return p.join_pages(pages)
 
     async def reset_allocations(self) -> None:
         """Admin: release every allocation on the node."""

@@ -363,8 +363,11 @@ class Client(SyncDriver):
         self.call(p.Free(id=0, task_id=task_id))
 
     def allocations(self) -> p.AllocationsReply:
-        reply: p.AllocationsReply = self.call(p.ListAllocations(id=0))
-        return reply
+        """Every allocation, read a page at a time (see ``protocol.join_pages``)."""
+        pages: list[p.AllocationsReply] = [self.call(p.ListAllocations(id=0))]
+        while (after := pages[-1].next_after) is not None:
+            pages.append(self.call(p.ListAllocations(id=0, after=after)))
+        return p.join_pages(pages)
 
     def reset_allocations(self) -> None:
         """Admin: release every allocation on the node."""

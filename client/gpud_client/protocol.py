@@ -34,6 +34,10 @@ MAX_FRAME_BYTES = 64 * 1024
 # The most a client accepts from the daemon in one frame: answers such as CLIENTS or STATUS on a
 # busy node are far larger than any request, so the two directions have different limits.
 MAX_REPLY_BYTES = 64 * 2**20
+# ALLOCS answers a page at a time: building and encoding one page stays within a few ms of the
+# daemon's loop however many allocations there are.
+ALLOCS_PAGE = 500
+ALLOCS_PAGE_MAX = 1000
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 
@@ -379,7 +383,8 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True, kw_only=True):
     priority: Priority | None = None
     priority_class: PriorityClass | None = None
     wait_ms: Millis = 0
-    owner_pid: Pid | None = None  # reclaimed when this process dies
+    owner_pid: Pid | None = None  # reclaimed when this process dies; yours to signal (docs/security.md)
+    owner_any_uid: bool = False  # admin: owner_pid may be another uid's process (logged)
     on_preempt: Recovery = Recovery.TERMINATE
     gpus_max: WholeGpus | None = None  # elastic: gpus (whole) is the minimum
     protected: bool = False  # admin: never preempted
@@ -399,7 +404,13 @@ class Free(_Msg, tag="FREE", frozen=True, kw_only=True):
 
 
 class ListAllocations(_Msg, tag="ALLOCS", frozen=True, kw_only=True):
+    """One page of the allocations, in task id order: those after ``after`` (None: from the
+    first), at most ``limit`` (None: the daemon's page size). ALLOCS_REPLY's ``next_after`` asks
+    for the next page."""
+
     id: RequestId
+    after: TaskId | None = None
+    limit: Annotated[int, Meta(ge=1, le=ALLOCS_PAGE_MAX)] | None = None
 
 
 class Yield(_Msg, tag="YIELD", frozen=True, kw_only=True):
@@ -635,8 +646,13 @@ class AllocWaiter(Struct, frozen=True, kw_only=True):
 
 
 class AllocationsReply(_Reply, tag="ALLOCS_REPLY", frozen=True, kw_only=True):
+    """One page of allocations (the GPUs' ``tasks``: those of this page); the waiters, GPUs,
+    CPUs and tenants whole."""
+
     id: RequestId
     allocations: list[Allocated]
+    total: int = 0  # allocations in all pages
+    next_after: str | None = None  # more pages: ask again with after=next_after
     waiting: list[str]
     waiters: list[AllocWaiter] = []
     draining: list[int] = []  # GPUs an operator drains
@@ -644,6 +660,22 @@ class AllocationsReply(_Reply, tag="ALLOCS_REPLY", frozen=True, kw_only=True):
     cpus_total: int
     cpus_free: list[int]
     tenants: dict[str, TenantSummary]
+
+
+def join_pages(pages: list[AllocationsReply]) -> AllocationsReply:
+    """ALLOCS pages read one after another, as one answer (the last page's waiters, GPUs, CPUs and
+    tenants; every page's allocations and GPU tasks). Not a snapshot: what changed between two
+    pages shows as it was when each page was read."""
+    last = pages[-1]
+    gpus = [
+        msgspec.structs.replace(g, tasks={t: s for page in pages for t, s in page.gpus[i].tasks.items()})
+        if all(len(page.gpus) > i for page in pages)
+        else g
+        for i, g in enumerate(last.gpus)
+    ]
+    return msgspec.structs.replace(
+        last, id=pages[0].id, allocations=[a for page in pages for a in page.allocations], gpus=gpus, next_after=None
+    )
 
 
 class LimitsSet(_Reply, tag="LIMITS_SET", frozen=True, kw_only=True):

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import deque
 from collections.abc import Callable
 
 import structlog
 
 from gpud.core.authority import Members, check_may_free, check_task_owner, check_tenant, owning_allocation
-from gpud.core.errors import Refused
+from gpud.core.errors import LimitReached, Refused
 from gpud.core.ledger import (
     UNIT,
     Allocation,
@@ -43,6 +44,8 @@ from gpud.core.ledger import (
     to_fixed,
 )
 from gpud.host.config import Config
+from gpud.host.owners import Kind, TaskOwners
+from gpud.host.procs import Held, Signals
 from gpud.host.store import Store, StoreError
 from gpud.serving.faults import Faults
 from gpud.serving.parts import Part, Pieces
@@ -51,6 +54,8 @@ from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
 STORE_RETRY_US = 100_000  # a change the store refused at a deadline is tried again this much later
+REAP_BATCH = 128  # dead owners' allocations released per store write and loop turn (see reap)
+REACH_BATCH = 1024  # tasks whose holder left looked at per loop turn (see connection_closed)
 
 
 class Allocations(Part):
@@ -92,11 +97,16 @@ class Allocations(Part):
         self.holders: dict[str, ClientLink] = {}  # task id -> the connection told of its preemption
         self.signalled: set[str] = set()  # task ids whose owner gpud itself told to leave (SIGTERM)
         self.deaf: set[str] = set()  # waiting task ids whose client does not listen for PREEMPT
-        self._written: dict[str, TaskRecord] = {}  # what the store holds, to write only what changed
+        signals = Signals(lambda sig, why: self.metrics.node.signals_sent.labels(sig, why).inc())
+        self.owners = TaskOwners(signals)
+        self.uids = self.owners.uids  # task id -> uid that allocated it (or waits for it)
+        self._reaping: deque[str] = deque()  # dead owners' tasks still to release, a batch a turn
+        self._held_by: dict[ClientLink, set[str]] = {}  # a connection -> the tasks it is told of
+        self._unreached: deque[str] = deque()  # tasks whose holder left: reachable still? a batch a turn
+        self._unclaimed: dict[str, int] = {}  # restored waits served while their client is away -> since
         self._retry_at: int | None = None  # the store failed a tick's change: when to try it again
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
-            self.uids: dict[str, int] = {}  # task id -> uid that allocated it
             self.waiters: dict[str, tuple[ClientLink, int, int]] = {}  # task id -> (conn, request id, since)
             self._restore()
         except StoreError as exc:
@@ -115,13 +125,15 @@ class Allocations(Part):
             except (ValueError, Refused) as exc:  # the node shrank, or the record contradicts another
                 self._set_aside(rec.task_id, str(exc))
                 continue
-            self.uids[rec.task_id] = uid
-            self._written[rec.task_id] = rec
+            self.owners.recorded(rec.task_id, rec, uid)
+            owner = rec.allocation or rec.suspended or rec.waiting
+            if owner is not None and owner.owner_pid is not None:
+                self.owners.restore(rec.task_id, owner.owner_pid, uid, loaded.starts.get(rec.task_id))
         for gpu in loaded.draining:
             if gpu < len(self.slots):
                 self.ledger.drain(gpu, True, now)
                 self.slots[gpu].draining = True
-        self._written = self.ledger.records()  # as restored (times brought within reach)
+        self.ledger.mark_stored()  # as restored (times brought within reach: no need to write them)
         for task_id in self.uids:
             self._reach(task_id)
         if self.uids:
@@ -153,10 +165,11 @@ class Allocations(Part):
         if named is not None and (alloc := self.ledger.get(named)) is not None:
             self._check_owner(conn, named, "attach a session to")
             return alloc
-        fractional = self.ledger.fractions_on(gpu)
-        if not fractional:
+        mine = [a for t in self.owners.tasks_of(conn.uid) if (a := self.ledger.get(t)) is not None]
+        if not any(gpu in a.gpus and 0 < a.share < UNIT for a in mine):
             return None  # nothing to belong to: no need to read /proc
-        return owning_allocation(fractional, self.uids, gpu, ancestry(conn.pid), conn.uid)
+        owned = self.owners.owned_by(self.owners.host.ancestry(conn.pid))
+        return owning_allocation(mine, self.uids, gpu, owned, conn.uid)
 
     # --- requests -----------------------------------------------------------
 
@@ -191,6 +204,30 @@ class Allocations(Part):
             )
         if msg.protected and not self.access.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"a protected allocation needs admin rights (uid {conn.uid})")
+        fresh = existing is None and not suspended and not rejoin and msg.task_id not in self.waiters
+        owner = None
+        if fresh:
+            self._check_caps(conn, msg)
+            if msg.owner_pid is not None:
+                owner = self._claim_owner(conn, msg)
+        try:
+            return self._allocate(conn, msg, now, priority, existing, suspended, rejoin, owner)
+        except BaseException:
+            if owner is not None:
+                self.owners.unused(owner)
+            raise
+
+    def _allocate(
+        self,
+        conn: ClientLink,
+        msg: p.Allocate,
+        now: int,
+        priority: int,
+        existing: Allocation | None,
+        suspended: bool,
+        rejoin: bool,
+        owner: Held | None,
+    ) -> p.Allocated | None:
         req = Request(
             task_id=msg.task_id,
             gpus=to_fixed(msg.gpus),
@@ -199,7 +236,7 @@ class Allocations(Part):
             strategy=msg.strategy,
             tenant=msg.tenant,
             priority=priority,
-            owner_pid=msg.owner_pid,
+            owner_pid=msg.owner_pid,  # a repeat's terms are compared; a fresh one's owner is ``owner``
             wait_us=msg.wait_ms * 1000,
             on_preempt=msg.on_preempt,
             gpus_max=msg.gpus_max or 0,
@@ -218,8 +255,11 @@ class Allocations(Part):
             return self.answer(msg.id, held, 0.0, p.AllocState.SUSPENDED)
         if alloc is None:
             self.waiters[msg.task_id] = (conn, msg.id, now)
+            self._unclaimed.pop(msg.task_id, None)
             if not rejoin:  # it owns the task id now, not the uid of an earlier wait or run of it
-                self.uids[msg.task_id] = conn.uid
+                self.owners.set_uid(msg.task_id, conn.uid)
+            if owner is not None:
+                self.owners.attach(msg.task_id, owner)
             self.deaf.discard(msg.task_id)
             if not msg.notify:
                 self.deaf.add(msg.task_id)
@@ -228,11 +268,49 @@ class Allocations(Part):
             self.advance(now)  # victims for it, if it may take some back
             return None
         if existing is None:
-            self._sync(cp, f"task {msg.task_id!r} was not allocated", {msg.task_id: conn.uid})
+            self._sync(cp, f"task {msg.task_id!r} was not allocated", {msg.task_id: conn.uid}, owner)
             self._made(alloc)
+        self._unclaimed.pop(msg.task_id, None)
         self._hold(msg.task_id, conn, msg.notify)
         self._counted("granted" if existing is None else "repeated")
         return self.answer(msg.id, alloc, 0.0)
+
+    def _check_caps(self, conn: ClientLink, msg: p.Allocate) -> None:
+        """What one uid may make the daemon hold (docs/security.md; counted as every cap is, by the
+        request handler); an admin is capped too."""
+        cfg, uid = self.config, conn.uid
+        if msg.wait_ms > 0:
+            waits = sum(1 for c, _, _ in self.waiters.values() if c.uid == uid)
+            if waits >= cfg.max_allocation_waits_per_uid:
+                raise LimitReached(
+                    "max_allocation_waits_per_uid", f"uid {uid} already has {waits} allocation requests waiting"
+                )
+        held = self.owners.count(uid, Kind.ALLOCATION)
+        if held >= cfg.max_allocations_per_uid:
+            raise LimitReached("max_allocations_per_uid", f"uid {uid} already holds {held} allocations")
+        records = self.owners.count(uid)
+        if records >= cfg.max_allocation_records_per_uid:
+            raise LimitReached(
+                "max_allocation_records_per_uid",
+                f"uid {uid} already has {records} records in the store (allocations, waits, preemption history)",
+            )
+
+    def _claim_owner(self, conn: ClientLink, msg: p.Allocate) -> Held:
+        """The owner process the request names, held; refused unless the caller may name it."""
+        assert msg.owner_pid is not None
+        if msg.owner_any_uid and not self.access.is_admin(conn):
+            raise Refused(p.ErrorCode.PERMISSION_DENIED, f"owner_any_uid needs admin rights (uid {conn.uid})")
+        try:
+            held = self.owners.claim(conn.pid, conn.uid, msg.owner_pid, any_uid=msg.owner_any_uid)
+        except Refused:
+            self.metrics.node.owner_refusals.inc()
+            log.warning("owner_refused", task_id=msg.task_id, owner_pid=msg.owner_pid, uid=conn.uid, pid=conn.pid)
+            raise
+        if msg.owner_any_uid:
+            log.warning(
+                "owner_any_uid", task_id=msg.task_id, owner_pid=msg.owner_pid, owner_uid=held.uid, by_uid=conn.uid
+            )
+        return held
 
     def _counted(self, result: str) -> None:
         """One request's outcome: granted (at once or after its wait), repeated (the same task's
@@ -269,7 +347,7 @@ class Allocations(Part):
 
     def list_allocations(self, conn: ClientLink, msg: p.ListAllocations, now: int) -> p.AllocationsReply:
         self.advance(now)
-        return self.listing(msg.id)
+        return self.listing(msg.id, msg.after, msg.limit or p.ALLOCS_PAGE)
 
     def reset(self, conn: ClientLink, msg: p.ResetAllocations, now: int) -> p.Ok:
         if not self.access.is_admin(conn):
@@ -291,9 +369,16 @@ class Allocations(Part):
         for task_id in [t for t, (c, _, _) in self.waiters.items() if c is conn]:
             del self.waiters[task_id]
             self._withdraw_wait(task_id, now)
-        for task_id in [t for t, c in self.holders.items() if c is conn]:
+        held = self._held_by.pop(conn, set())
+        for task_id in held:  # unreachable until looked at again: never preempted with nobody told
             del self.holders[task_id]
-            self._reach(task_id)
+            self.ledger.reachable.discard(task_id)
+        if len(held) <= REACH_BATCH:
+            for task_id in held:
+                self._reach(task_id)
+        else:  # whether its owner can be told instead, a batch a turn (a client may hold thousands)
+            self._unreached.extend(sorted(held))
+            self.wake()
 
     def _withdraw_wait(self, task_id: str, now: int) -> None:
         """A wait given up: it frees nothing, and withdraws the notices it caused."""
@@ -305,6 +390,7 @@ class Allocations(Part):
             _, effects = self.ledger.release(task_id, now)
             self._retry_at = now + STORE_RETRY_US
             self.wake()
+        self._settle(task_id)
         self.effects.carry_out(effects, now)
 
     # --- taking allocations back ------------------------------------------------
@@ -350,16 +436,19 @@ class Allocations(Part):
 
     def _hold(self, task_id: str, conn: ClientLink, notify: bool = True) -> None:
         """``conn`` is told of this task's preemption from now on (if it listens: ``notify``)."""
+        before = self.holders.get(task_id)
+        if before is not None and (before is not conn or not notify):
+            del self.holders[task_id]
+            self._held_by[before].discard(task_id)
         if notify:
             self.holders[task_id] = conn
-        elif self.holders.get(task_id) is conn:
-            del self.holders[task_id]
+            self._held_by.setdefault(conn, set()).add(task_id)
         self._reach(task_id)
 
     def _reach(self, task_id: str) -> None:
         """Whether someone can be told about ``task_id``: the core's ``reachable`` fact."""
         alloc = self.ledger.get(task_id) or self._suspended(task_id)
-        told = task_id in self.holders or (alloc is not None and _signalable(alloc.owner_pid))
+        told = task_id in self.holders or (alloc is not None and self.owners.alive(task_id))
         if told and task_id not in self.ledger.reachable:
             self.wake()  # someone to tell now: a drain's (or a waiter's) notice may be due at once
         if told:
@@ -368,10 +457,19 @@ class Allocations(Part):
             self.ledger.reachable.discard(task_id)
 
     def _forget(self, task_id: str) -> None:
-        self.uids.pop(task_id, None)
-        self.holders.pop(task_id, None)
+        if (conn := self.holders.pop(task_id, None)) is not None:
+            self._held_by[conn].discard(task_id)
         self.signalled.discard(task_id)
         self.ledger.reachable.discard(task_id)
+        self._unclaimed.pop(task_id, None)
+        self._settle(task_id)
+
+    def _settle(self, task_id: str) -> None:
+        """A task that holds nothing and waits for nothing any more lets its owner process go."""
+        if self._holds_or_waits(task_id):
+            return
+        self.owners.detach(task_id)
+        self.owners.forget_uid(task_id)
 
     def _noticed(self, e: Noticed, now: int) -> None:
         n, a = e.notice, e.allocation
@@ -400,7 +498,7 @@ class Allocations(Part):
                 by=n.by,
             )
             self.links.send(conn, push)
-        elif n.whole and a.owner_pid is not None and _signal(a.owner_pid, signal.SIGTERM):
+        elif n.whole and self.owners.signal(a.task_id, signal.SIGTERM, "preempt_notice"):
             self.signalled.add(a.task_id)  # no one holds it: its owner is told as Kubernetes tells a pod
 
     def _withdrawn(self, e: Withdrawn, now: int) -> None:
@@ -431,8 +529,8 @@ class Allocations(Part):
         if conn is not None:
             self.links.send(conn, p.AllocRevoked(task_id=a.task_id, reason=n.reason, state=state, gone=not e.suspended))
         if not e.suspended:
-            if a.task_id in self.signalled and a.owner_pid is not None:
-                _signal(a.owner_pid, signal.SIGKILL)  # its grace is over, as Kubernetes ends a pod's
+            if a.task_id in self.signalled:
+                self.owners.signal(a.task_id, signal.SIGKILL, "preempt_grace_over")  # as Kubernetes ends a pod
             self._forget(a.task_id)
 
     def _grown(self, e: Grown, now: int) -> None:
@@ -464,28 +562,76 @@ class Allocations(Part):
             self.wake()  # the allocations' timer: an elastic allocation's window starts now
 
     def next_deadline(self) -> int | None:
-        """The ledger's next deadline, or after a failed store the time to try again."""
+        """The ledger's next deadline, or after a failed store the time to try again (now, while
+        dead owners' allocations are left to reap)."""
+        if self.reaping:
+            return self.clock()
         due = self.ledger.next_deadline()
         if self._retry_at is None:
             return due
         return self._retry_at if due is None else max(due, self._retry_at)
 
+    @property
+    def reaping(self) -> bool:
+        """Dead owners' allocations are still being released (or tasks whose holder left looked
+        at again), a batch a turn."""
+        return bool(self._reaping or self._unreached)
+
     def reap(self, now: int) -> None:
-        """Reclaim allocations whose owner process is gone; one record's fault skips only it
-        (a reclaim the store cannot record is tried again at the next reap)."""
-        for alloc in self.ledger.allocations() + self.ledger.suspended():
+        """Reclaim allocations whose owner process is gone (and restored waits served while their
+        client was away that nobody claimed within ``crash_grace_s``): at most REAP_BATCH a call,
+        in one ledger change and one store write, so that no loop turn grows with how many there
+        are; the timer calls again at once while some are left. A batch the store cannot record
+        is tried again at the next call; one record's fault skips only it."""
+        if not self._reaping:
+            self._reaping.extend(self.owners.orphaned())
+            grace = round(self.config.crash_grace_s * 1e6)
+            self._reaping.extend(
+                t
+                for t, since in self._unclaimed.items()
+                if now - since >= grace and t not in self.holders and not self.owners.alive(t)
+            )
+        self.reap_more(now)
+
+    def reap_more(self, now: int) -> None:
+        """The next batch of what ``reap`` found, and of tasks whose holder left."""
+        for _ in range(min(REACH_BATCH, len(self._unreached))):
+            self._reach(self._unreached.popleft())
+        batch = [self._reaping.popleft() for _ in range(min(REAP_BATCH, len(self._reaping)))]
+        held = []
+        for task_id in batch:  # a wait (rare) is withdrawn on its own, with its own store write
+            if self.ledger.get(task_id) or self._suspended(task_id):
+                held.append(task_id)
+            elif task_id in self.waiters or any(r.task_id == task_id for r in self.ledger.waiting()):
+                self._answer_error(task_id, p.ErrorCode.INSUFFICIENT, "its owner process exited while it waited")
+                self._withdraw_wait(task_id, now)
+            else:
+                self._settle(task_id)
+        cp = self.ledger.checkpoint()
+        effects, released = [], []
+        for task_id in held:
             try:
-                if alloc.owner_pid is not None and not _alive(alloc.owner_pid):
-                    cp = self.ledger.checkpoint()
-                    _, effects = self.ledger.release(alloc.task_id, now)
-                    self._sync(cp, f"task {alloc.task_id!r} was not reclaimed")
-                    self._forget(alloc.task_id)
-                    log.warning("allocation_reaped", task_id=alloc.task_id, owner_pid=alloc.owner_pid)
-                    self.effects.carry_out(effects, now)
-            except Refused:
-                pass  # logged by _sync
+                alloc = self.ledger.get(task_id) or self._suspended(task_id)
+                assert alloc is not None
+                effects += self.ledger.release(task_id, now)[1]
+                released.append(alloc)
             except Exception as exc:
-                self.faults.record("reaper", exc, task_id=alloc.task_id, owner_pid=alloc.owner_pid)
+                self.faults.record("reaper", exc, task_id=task_id)
+        if not released:
+            return
+        try:
+            self._sync(cp, f"{len(released)} allocations of dead owners were not reclaimed")
+        except Refused:  # logged by _sync; the next reap tries them again
+            self._reaping.extendleft(reversed([a.task_id for a in released]))
+            return
+        for alloc in released:
+            self._forget(alloc.task_id)
+        by_owner: dict[int | None, list[str]] = {}
+        for alloc in released:
+            by_owner.setdefault(alloc.owner_pid, []).append(alloc.task_id)
+        for pid, tasks in by_owner.items():
+            log.warning("allocations_reaped", owner_pid=pid, count=len(tasks), task_ids=tasks[:8])
+        self.effects.carry_out(effects, now)
 
     def _served(self, e: Served, now: int) -> None:
         """A waiter the stored change served (a suspended allocation: its holder is told)."""
@@ -498,7 +644,9 @@ class Allocations(Part):
             return
         self._counted("granted")
         waiter = self.waiters.pop(task_id, None)
-        if waiter is None:  # a wait restored from the store: its client asks again and is answered
+        if waiter is None:  # a wait restored from the store: its client asks again and is answered,
+            self._unclaimed[task_id] = now  # else it is released after the crash grace (see reap)
+            self.wake()
             return
         conn, rid, since = waiter
         self._hold(task_id, conn, task_id not in self.deaf)
@@ -508,6 +656,7 @@ class Allocations(Part):
     def _expired(self, e: Expired, now: int) -> None:
         self._answer_error(e.task_id, p.ErrorCode.INSUFFICIENT, f"{e.reason.message} (waited the full wait_ms)")
         self._counted("insufficient")
+        self._settle(e.task_id)
 
     # --- answers ------------------------------------------------------------
 
@@ -547,11 +696,17 @@ class Allocations(Part):
             preemption_grace_s=self.config.preemption_grace_s,
         )
 
-    def listing(self, rid: int) -> p.AllocationsReply:
+    def listing(self, rid: int, after: str | None = None, limit: int = p.ALLOCS_PAGE) -> p.AllocationsReply:
+        """One page: at most ``limit`` allocations after task id ``after``, built in O(limit) however
+        many there are (the GPUs' tasks: those of this page)."""
+        page = self.ledger.allocations_page(after, limit + 1)
+        more = len(page) > limit
+        page = page[:limit]
+        running = {a.task_id: a for a in page if self.ledger.get(a.task_id) is a}
         gpus = []
         for slot in self.slots:
             free = self.ledger.gpu_free(slot.gpu.index)
-            tasks = {t: share / UNIT for t, share in self.ledger.gpu_tasks(slot.gpu.index).items()}
+            tasks = {t: min(a.share, UNIT) / UNIT for t, a in running.items() if slot.gpu.index in a.gpus}
             gpus.append(
                 p.GpuAllocationSummary(
                     index=slot.gpu.index,
@@ -566,10 +721,13 @@ class Allocations(Part):
             for name, t in self.config.tenants.items()
         }
         now = self.clock()
-        suspended = [self.answer(0, a, 0.0, p.AllocState.SUSPENDED) for a in self.ledger.suspended()]
         return p.AllocationsReply(
             id=rid,
-            allocations=[self.answer(0, a, 0.0) for a in self.ledger.allocations()] + suspended,
+            allocations=[
+                self.answer(0, a, 0.0, None if a.task_id in running else p.AllocState.SUSPENDED) for a in page
+            ],
+            total=self.ledger.allocation_count(),
+            next_after=page[-1].task_id if more else None,
             waiting=[r.task_id for r in self.ledger.waiting()],
             waiters=[
                 p.AllocWaiter(
@@ -595,28 +753,60 @@ class Allocations(Part):
         cp: Checkpoint,
         refusal: str,
         uids: dict[str, int] | None = None,
+        owner: Held | None = None,
         *,
         draining: bool = False,
     ) -> None:
         """Store what one ledger change changed (every task whose record differs, the allocations
-        it served included: a waiter's uid is known from its request); when the store cannot, roll
-        the ledger back to ``cp`` and refuse with ``store_failed``."""
-        uids = {**self.uids, **(uids or {})}
-        records = self.ledger.records(self._written)
-        written = self._written
-        put = [(r, uids.get(t, 0)) for t, r in records.items() if (old := written.get(t)) is not r and old != r]
-        delete = [t for t in self._written if t not in records]
+        it served included: a new task's uid is in ``uids``, its owner process ``owner``); when the
+        store cannot, roll the ledger back to ``cp`` and refuse with ``store_failed``."""
+        uids = uids or {}
+        put, delete = self.ledger.changed_records()
         if not put and not delete and not draining:
             return
+        rows = [(r, uids.get(t, self.uids.get(t, 0))) for t, r in put.items()]
+        starts = {t: owner.start for t in uids} if owner is not None else {}
+        starts.update({t: self.owners.start_of(t) for t in put if t not in starts})
         try:
-            self.store.write(put=put, delete=delete, draining=self.ledger.draining() if draining else None)
+            self.store.write(
+                put=rows, delete=delete, draining=self.ledger.draining() if draining else None, starts=starts
+            )
         except StoreError as exc:
             self.ledger.rollback(cp)
             self.metrics.node.store_failures.inc()
             self.faults.often("store_failed", refused=refusal, error=str(exc))
             raise Refused(p.ErrorCode.STORE_FAILED, f"{refusal}: the store could not record it ({exc})") from None
-        self._written = records
-        self.uids = {t: u for t, u in uids.items() if t in records or t in self.waiters}
+        self._stored(put, delete, rows, owner, uids)
+
+    def _stored(
+        self,
+        put: dict[str, TaskRecord],
+        delete: set[str],
+        rows: list[tuple[TaskRecord, int]],
+        owner: Held | None,
+        uids: dict[str, int],
+    ) -> None:
+        """The store took a change: what it holds, whose it is, and who owns what follow it."""
+        self.ledger.mark_stored()
+        for rec, uid in rows:
+            self.owners.recorded(rec.task_id, rec, uid)
+        for t in delete:
+            self.owners.recorded(t, None, None)
+        for t in uids:
+            if owner is not None and (t in put or t in self.waiters):
+                self.owners.attach(t, owner)
+        for t in [*put, *delete]:
+            if not self._holds_or_waits(t):
+                self.owners.detach(t)  # nothing of it holds devices or waits any more
+                self.owners.forget_uid(t)
+
+    def _holds_or_waits(self, task_id: str) -> bool:
+        """Whether ``task_id`` holds devices, is suspended, or waits (in this connection's or the store's)."""
+        return (
+            task_id in self.waiters
+            or self.ledger.get(task_id) is not None
+            or self.owners.kind(task_id) in (Kind.ALLOCATION, Kind.WAIT)
+        )
 
     def _made(self, alloc: Allocation) -> None:
         log.info(
@@ -681,51 +871,5 @@ def _preemption(config: Config) -> PreemptionConfig:
     )
 
 
-def _signalable(pid: int | None) -> bool:
-    """Whether gpud may signal ``pid`` (alive, and ours to signal)."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def _signal(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        return False
-    return True
-
-
 def _quotas(config: Config) -> dict[str, TenantQuota]:
     return {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def ancestry(pid: int, depth: int = 64) -> list[int]:
-    """``pid`` and its ancestors, nearest first, as far as /proc shows them (a hardened
-    /proc that hides other users' processes gives just ``pid``: matching falls back to uid)."""
-    chain = [pid]
-    while len(chain) < depth:
-        try:
-            with open(f"/proc/{chain[-1]}/stat", "rb") as f:
-                stat = f.read()
-            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        if parent <= 1 or parent in chain:
-            break
-        chain.append(parent)
-    return chain

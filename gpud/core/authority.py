@@ -18,10 +18,12 @@ Rules kept here:
 - Limits set by an admin or derived from a fractional allocation are ceilings
   (kept by the scheduler, see ``scheduler.py``).
 - A session belongs to a fractional allocation on its GPU when it names the
-  task (its own, or any for an admin); else when the allocation's owner pid is
-  the session's process or one of its ancestors; else when its uid made a
-  fractional allocation on that GPU (the smallest share, if it made several).
-  So a process cannot escape its allocation's limits by not naming the task.
+  task (its own, or any for an admin); else, among its own uid's fractional
+  allocations on that GPU, the one whose owner process (held by gpud) is the
+  session's process or its nearest ancestor; else the smallest of them. So a
+  process cannot escape its allocation's limits by not naming the task, and
+  another uid's allocation never sets a session's ceiling (naming someone's
+  shell as an owner caps nobody: see ``gpud.core.owners``).
 
 Pure functions over plain data; the shell reads peer credentials, process
 ancestry and configuration and passes them in.
@@ -29,7 +31,7 @@ ancestry and configuration and passes them in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from gpud.core.errors import Refused
@@ -121,16 +123,16 @@ def lease_priority(
 
 
 def owning_allocation(
-    allocations: Iterable[Allocation], owners: Mapping[str, int], gpu: int, ancestry: list[int], uid: int
+    allocations: Iterable[Allocation], owners: Mapping[str, int], gpu: int, owned: Sequence[Set[str]], uid: int
 ) -> Allocation | None:
-    """The fractional allocation on ``gpu`` a session of this process belongs to
-    when it names none: by owner pid (the process or an ancestor), else by uid."""
-    fractional = [a for a in allocations if gpu in a.gpus and 0 < a.share < UNIT]
-    for pid in ancestry:  # the nearest ancestor that owns one wins
-        for a in fractional:
-            if a.owner_pid == pid:
-                return a
-    mine = [a for a in fractional if owners.get(a.task_id) == uid]
+    """The fractional allocation on ``gpu`` a session of ``uid`` belongs to when it names none
+    (``owners``: task id -> uid; ``owned``: the task ids the session's process, then each of its
+    ancestors, owns as a held owner process): its own uid's only, by the nearest owner, else the
+    smallest."""
+    mine = [a for a in allocations if gpu in a.gpus and 0 < a.share < UNIT and owners.get(a.task_id) == uid]
+    for tasks in owned:  # the nearest ancestor that owns one wins
+        if tasks and (near := [a for a in mine if a.task_id in tasks]):
+            return min(near, key=lambda a: (a.share, a.task_id))
     return min(mine, key=lambda a: (a.share, a.task_id), default=None)
 
 

@@ -30,6 +30,10 @@ Rules kept here:
 - ``checkpoint`` / ``rollback``: the shell takes a checkpoint before a change
   and rolls back to it when the change cannot be stored, so the ledger is
   exactly what it was, waiters that the change would have served included.
+  Both cost what the change changed, not what the ledger holds (``gpud.core.journal``), and so
+  do ``changed_records`` (what to store) and every call but the walks ``records`` and
+  ``allocations`` (``gpud.core.ledger_index``): one release among 20 000 allocations costs what
+  it costs among 10.
 
 Taking allocations back (the rules of choosing victims are in ``gpud.core.preemption``):
 - Priority 100 (production) is never preempted by a request; 1..99 once it has run
@@ -52,6 +56,8 @@ Taking allocations back (the rules of choosing victims are in ``gpud.core.preemp
 - A draining GPU takes no new grants; every allocation on it that can be told gets a notice,
   withdrawn when none of the GPUs it names drains any more.
 - ``next_deadline`` is never a time ``advance`` has already passed with nothing to do there.
+- Among equals the lower task id goes first (victims, elastic growth), never the order the
+  allocations came in: a restart or a rollback does not keep that order.
 
 A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
 (the node is too full) and changes nothing. Pure: no clock, no storage; time
@@ -63,9 +69,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import islice
 from typing import Any
 
 from gpud.core.errors import LimitReached, Refused
+from gpud.core.journal import JDict, Journal
+from gpud.core.ledger_index import LedgerIndex, as_victim
 from gpud.core.preemption import Candidate, Need, Pool, Room, choose
 from gpud_client.protocol import ErrorCode, PreemptReason, PreemptStrategy, Recovery, Strategy
 from gpud_client.units import GPU_UNIT, fixed_gpus
@@ -302,11 +312,10 @@ class Grown:
 LedgerEffect = Served | Expired | Noticed | Withdrawn | TakenBack | Grown
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Waiter:
     request: Request
     deadline: int
-    last_reason: Insufficient
     since: int = 0
     victims: frozenset[str] = frozenset()  # allocations told to leave for it
     suspended: Allocation | None = None  # a suspended allocation waiting for its GPUs
@@ -332,29 +341,18 @@ class TaskRecord:
 @dataclass(slots=True)
 class _Gpu:
     spec: GpuSpec
+    tasks: JDict[str, int]
     free: int = UNIT
-    tasks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """The ledger's whole state at one moment (see ``Ledger.checkpoint``)."""
+    """A moment to roll back to (see ``Ledger.checkpoint``). Two checkpoints are equal when the
+    ledger was in the same state at both."""
 
-    gpus: dict[int, tuple[int, dict[str, int]]]
-    free_cpus: frozenset[int]
-    allocs: dict[str, Allocation]
-    waiters: list[tuple[int, int, str]]
-    waiting: dict[str, tuple[Request, int, Insufficient, int, frozenset[str], Allocation | None]]
-    seq: int
-    rr_last: int
-    rng: tuple[Any, ...]
-    notices: dict[str, Notice]
-    history: dict[str, tuple[int, bool]]
-    immune: dict[str, int]
-    draining: frozenset[int]
-    grow_since: dict[str, int]
-    advanced_to: int
-    reserved: dict[int, str]
+    state: int  # the journal's name of the state of the ledger's dicts
+    small: tuple[Any, ...]  # the rest, each small or never changed in place
+    epoch: int = field(compare=False)
 
 
 class Ledger:
@@ -369,27 +367,33 @@ class Ledger:
         max_waiters: int = 256,
         preemption: PreemptionConfig | None = None,
     ) -> None:
-        self._gpus = {g.index: _Gpu(g) for g in gpus}
+        # The state: dicts whose changes the journal can undo (``checkpoint``), and small values
+        # that are replaced, never changed in place, so that a checkpoint keeps them as they are.
+        j = self._journal = Journal()
+        self._gpus = {g.index: _Gpu(g, JDict(j)) for g in gpus}
         self._cpus = sorted(cpus)
-        self._free_cpus = set(cpus)
+        self._free_cpus = frozenset(cpus)
         self._cpu_numa = dict(cpu_numa or {})
         self._tenants = dict(tenants or {})
-        self._allocs: dict[str, Allocation] = {}
+        self._allocs: JDict[str, Allocation] = JDict(j, self._record_changed)
         self._waiters: list[tuple[int, int, str]] = []  # (-priority, seq, task_id)
-        self._waiting: dict[str, _Waiter] = {}
+        self._waiting: JDict[str, _Waiter] = JDict(j, self._record_changed)
         self._seq = 0
         self._rng = random.Random(seed)
         self._rr_last = -1
         self._max_waiters = max_waiters
         self.preemption = preemption or PreemptionConfig()
-        self._notices: dict[str, Notice] = {}
-        self._history: dict[str, tuple[int, bool]] = {}  # task id -> (preemptions, resume): no allocation now
-        self._immune: dict[str, int] = {}  # task id -> until when it is not chosen again
-        self._draining: set[int] = set()
-        self._grow_since: dict[str, int] = {}  # elastic task id -> since when it could grow
+        self._notices: JDict[str, Notice] = JDict(j, self._record_changed)
+        # task id -> (preemptions, resume): no allocation now
+        self._history: JDict[str, tuple[int, bool]] = JDict(j, self._record_changed)
+        self._immune: JDict[str, int] = JDict(j, self._reindex)  # task id -> until when it is not chosen again
+        self._draining: frozenset[int] = frozenset()
+        self._grow_since: JDict[str, int] = JDict(j)  # elastic task id -> since when it could grow
         self._advanced_to = 0  # the last ``advance``: maturities up to it are in the past
         self._reserved: dict[int, str] = {}  # GPU a victim gave back -> the waiter it was taken for
-        self._whole_candidates = _Made()
+        self._why: JDict[str, Insufficient] = JDict(j)  # why each waiter waits: the last reason it did not fit
+        self._changed: JDict[str, None] = JDict(j)  # task ids whose record may differ from the stored one
+        self._index = LedgerIndex(self._allocs, self._notices, self._immune, self._waiting, NEVER)
         # Readings of GPU utilisation (observations, not decisions): since when each GPU is busy or idle.
         self._busy_since: dict[int, int] = {}
         self._idle_since: dict[int, int] = {}
@@ -426,7 +430,7 @@ class Ledger:
                 raise LimitReached(
                     "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
                 ) from None
-            self._enqueue(_Waiter(req, now + req.wait_us, short, now))
+            self._enqueue(_Waiter(req, now + req.wait_us, now), short)
             return None
 
     def release(self, task_id: str, now: int) -> tuple[Allocation | None, list[LedgerEffect]]:
@@ -444,7 +448,7 @@ class Ledger:
         else:
             self._history.pop(task_id, None)
         if notice is not None and notice.by in self._waiting:
-            self._reserved.update((g, notice.by) for g in notice.gpus)
+            self._reserved = {**self._reserved, **{g: notice.by for g in notice.gpus}}
         self._drop(alloc)
         return alloc, self._serve(now)
 
@@ -472,9 +476,9 @@ class Ledger:
             raise Refused(ErrorCode.UNKNOWN_GPU, f"unknown GPU {gpu}")
         effects: list[LedgerEffect] = []
         if on:
-            self._draining.add(gpu)
+            self._draining |= {gpu}
             return effects
-        self._draining.discard(gpu)
+        self._draining -= {gpu}
         for task_id, n in list(self._notices.items()):  # not while another of its GPUs drains
             if n.reason == PreemptReason.DRAIN and gpu in n.gpus and not self._draining.intersection(n.gpus):
                 del self._notices[task_id]
@@ -482,42 +486,34 @@ class Ledger:
         return effects + self._serve(now)
 
     def checkpoint(self) -> Checkpoint:
-        """A copy of the whole state, to ``rollback`` to if a change cannot be stored."""
-        return Checkpoint(
-            gpus={i: (g.free, dict(g.tasks)) for i, g in self._gpus.items()},
-            free_cpus=frozenset(self._free_cpus),
-            allocs=dict(self._allocs),
-            waiters=list(self._waiters),
-            waiting={
-                t: (w.request, w.deadline, w.last_reason, w.since, w.victims, w.suspended)
-                for t, w in self._waiting.items()
-            },
-            seq=self._seq,
-            rr_last=self._rr_last,
-            rng=self._rng.getstate(),
-            notices=dict(self._notices),
-            history=dict(self._history),
-            immune=dict(self._immune),
-            draining=frozenset(self._draining),
-            grow_since=dict(self._grow_since),
-            advanced_to=self._advanced_to,
-            reserved=dict(self._reserved),
-        )
+        """A moment to ``rollback`` to if a change cannot be stored. From now on the journal saves
+        the old value of whatever changes; a newer checkpoint supersedes this one."""
+        epoch, state = self._journal.start()
+        return Checkpoint(state, self._small(), epoch)
+
+    def _small(self) -> tuple[Any, ...]:
+        frees = tuple(g.free for g in self._gpus.values())
+        rest = (self._draining, self._advanced_to, self._reserved)
+        return (frees, self._free_cpus, self._waiters, self._seq, self._rr_last, *rest)
 
     def rollback(self, cp: Checkpoint) -> None:
-        """Back to exactly the state of ``cp``."""
-        for i, (free, tasks) in cp.gpus.items():
-            self._gpus[i].free, self._gpus[i].tasks = free, dict(tasks)
-        self._free_cpus = set(cp.free_cpus)
-        self._allocs = dict(cp.allocs)
-        self._waiters = list(cp.waiters)
-        self._waiting = {t: _Waiter(*w) for t, w in cp.waiting.items()}
-        self._seq, self._rr_last = cp.seq, cp.rr_last
-        self._rng.setstate(cp.rng)
-        self._notices, self._history, self._immune = dict(cp.notices), dict(cp.history), dict(cp.immune)
-        self._draining, self._grow_since = set(cp.draining), dict(cp.grow_since)
-        self._advanced_to = cp.advanced_to
-        self._reserved = dict(cp.reserved)
+        """Back to exactly the state of ``cp`` (ValueError: a newer checkpoint superseded it), in
+        what changed since: the journal puts back the old values, the index follows them."""
+        keys = self._journal.undo(cp.epoch, cp.state)
+        frees, self._free_cpus, self._waiters, self._seq, self._rr_last, *rest = cp.small
+        self._draining, self._advanced_to, self._reserved = rest
+        for g, free in zip(self._gpus.values(), frees):
+            g.free = free
+        for t in keys:
+            self._index.update(t)
+
+    def _record_changed(self, t: str) -> None:
+        """The allocation, notice, wait or history of ``t`` changed: so may its record."""
+        self._changed[t] = None
+        self._index.update(t)
+
+    def _reindex(self, t: str) -> None:
+        self._index.update(t)
 
     def restore(self, alloc: Allocation) -> None:
         """Put back an allocation read from the store at start-up (ValueError: it cannot be)."""
@@ -534,7 +530,7 @@ class Ledger:
         for g in alloc.gpus:
             if g not in self._gpus or self._gpus[g].free < alloc.share:
                 raise ValueError(f"stored allocation of {alloc.task_id!r} does not fit GPU {g} any more")
-        if not set(alloc.cpus) <= self._free_cpus:
+        if not self._free_cpus.issuperset(alloc.cpus):
             raise ValueError(f"stored allocation of {alloc.task_id!r} uses CPU cores that are not free")
         self._commit(alloc)
 
@@ -564,45 +560,61 @@ class Ledger:
             reach = max(rec.waiting.wait_us, self.preemption.grace_us + 1) if rec.victims else rec.waiting.wait_us
             deadline = NEVER if rec.suspended is not None else min(rec.wait_deadline, now + reach)
             self._enqueue(
-                _Waiter(rec.waiting, deadline, short, min(rec.wait_since, now), frozenset(rec.victims), rec.suspended)
+                _Waiter(rec.waiting, deadline, min(rec.wait_since, now), frozenset(rec.victims), rec.suspended), short
             )
         if rec.allocation is None and rec.suspended is None and (rec.preemptions or rec.resume):
             self._history[rec.task_id] = (rec.preemptions, rec.resume)
 
     def records(self, before: dict[str, TaskRecord] | None = None) -> dict[str, TaskRecord]:
-        """Everything durable, per task id: the shell stores what changed after every change.
-        ``before``: the last records; an allocation's record that did not change is the same object
-        (allocations and notices are replaced, never changed), so comparing costs little."""
+        """Everything durable, per task id (a walk over all: for start-up and checks; after a
+        change, ``changed_records``). ``before``: the last records; an allocation's record that did
+        not change is the same object (allocations and notices are replaced, never changed)."""
         out: dict[str, TaskRecord] = {}
         before = before or {}
-        notices = self._notices
-        for t, a in self._allocs.items():
-            n = notices.get(t)
-            old = before.get(t)
-            if old is not None and old.allocation is a and old.notice is n:
-                out[t] = old
-            else:
-                out[t] = TaskRecord(t, allocation=a, notice=n)
-        for t, w in self._waiting.items():
-            if w.suspended is None and not w.victims:
-                continue  # a plain wait dies with its connection: nothing to keep
-            pre, resume = self._history.get(t, (0, False))
-            if w.suspended is not None:  # its own count and flag (the store keeps one pair per task)
-                pre, resume = w.suspended.preemptions, w.suspended.resume
-            out[t] = TaskRecord(
-                t,
-                waiting=w.request,
-                wait_deadline=w.deadline,
-                wait_since=w.since,
-                victims=tuple(sorted(w.victims)),
-                suspended=w.suspended,
-                preemptions=pre,
-                resume=resume,
-            )
-        for t, (pre, resume) in self._history.items():
-            if t not in out:
-                out[t] = TaskRecord(t, preemptions=pre, resume=resume)
+        for t in [*self._allocs, *self._waiting, *self._history]:  # in this order, as the store expects
+            if t not in out and (rec := self._record(t, before.get(t))) is not None:
+                out[t] = rec
         return out
+
+    def changed_records(self) -> tuple[dict[str, TaskRecord], set[str]]:
+        """What to store since the last ``mark_stored``: the records of the tasks whose record may
+        differ from the stored one, and the task ids that have none now (a few may never have been
+        stored). Applied to the records last stored, they give ``records()``."""
+        put: dict[str, TaskRecord] = {}
+        gone: set[str] = set()
+        for t in self._changed:
+            rec = self._record(t)
+            if rec is None:
+                gone.add(t)
+            else:
+                put[t] = rec
+        return put, gone
+
+    def mark_stored(self) -> None:
+        """The shell stored ``changed_records``: nothing differs from the store now (a rollback to a
+        checkpoint taken before puts back what was to be stored then)."""
+        self._changed.clear()
+
+    def _record(self, t: str, old: TaskRecord | None = None) -> TaskRecord | None:
+        if (a := self._allocs.get(t)) is not None:
+            n = self._notices.get(t)
+            return old if old is not None and old.allocation is a and old.notice is n else TaskRecord(t, a, n)
+        w = self._waiting.get(t)
+        pre, resume = self._history.get(t, (0, False))
+        if w is None or (w.suspended is None and not w.victims):  # a plain wait dies with its connection
+            return TaskRecord(t, preemptions=pre, resume=resume) if t in self._history else None
+        if w.suspended is not None:  # its own count and flag (the store keeps one pair per task)
+            pre, resume = w.suspended.preemptions, w.suspended.resume
+        return TaskRecord(
+            t,
+            waiting=w.request,
+            wait_deadline=w.deadline,
+            wait_since=w.since,
+            victims=tuple(sorted(w.victims)),
+            suspended=w.suspended,
+            preemptions=pre,
+            resume=resume,
+        )
 
     def reconfigure(
         self, *, tenants: dict[str, TenantQuota], max_waiters: int, preemption: PreemptionConfig | None = None
@@ -619,14 +631,17 @@ class Ledger:
         waiters that do not fit."""
         effects: list[LedgerEffect] = []
         self._advanced_to = max(self._advanced_to, now)
-        for task_id, n in list(self._notices.items()):
-            if now >= n.deadline and task_id in self._notices:
+        for task_id in self._index.due_notices(now):  # the earliest deadline first
+            if task_id in self._notices and now >= self._notices[task_id].deadline:
                 effects += self._take_back(task_id, now, overran=True)
-        for task_id, w in list(self._waiting.items()):
-            if task_id in self._waiting and now >= w.deadline and not self._victims_running(w):
+        for task_id in self._index.due_waits(now):
+            w = self._waiting.get(task_id)
+            if w is not None and now >= w.deadline and not self._victims_running(w):
+                why = self._why[task_id]
                 effects += self._unwait(task_id, now)
-                effects.append(Expired(task_id, w.last_reason))
-        self._immune = {t: until for t, until in self._immune.items() if until > now}
+                effects.append(Expired(task_id, why))
+        for task_id in self._index.due_immunities(now):
+            del self._immune[task_id]
         effects += self._drain_notices(now)
         effects += self._grow(now)
         effects += self._shrink_idle(now)
@@ -634,8 +649,7 @@ class Ledger:
         return effects
 
     def next_deadline(self) -> int | None:
-        times = [w.deadline for w in self._waiting.values() if w.deadline < NEVER]
-        times += [n.deadline for n in self._notices.values()]
+        times = self._index.first_deadlines()  # of notices and waits
         times += [self._grow_at(t) for t in self._grow_since]
         times += self._maturities()
         times += self._idle_times()
@@ -644,7 +658,23 @@ class Ledger:
     # --- reading ------------------------------------------------------------
 
     def allocations(self) -> list[Allocation]:
+        """All running allocations, in the order they were made (a walk: see ``allocations_page``)."""
         return list(self._allocs.values())
+
+    def allocations_page(self, after: str | None, limit: int) -> list[Allocation]:
+        """Up to ``limit`` running and suspended allocations in task id order, those after ``after``
+        (None: from the first), in O(limit + log n)."""
+        ids = self._index.listed.after(after) if after is not None else iter(self._index.listed)
+        out = []
+        for t in islice(ids, max(0, limit)):
+            a = self._allocs.get(t) or self._waiting[t].suspended
+            assert a is not None  # listed: running or suspended
+            out.append(a)
+        return out
+
+    def allocation_count(self) -> int:
+        """How many allocations run or are suspended."""
+        return len(self._index.listed)
 
     def get(self, task_id: str) -> Allocation | None:
         return self._allocs.get(task_id)
@@ -659,7 +689,7 @@ class Ledger:
             w = self._waiting[t]
             if w.suspended is not None:
                 continue
-            why = w.last_reason.message
+            why = self._why[t].message
             if w.victims:
                 why = "waits for " + ", ".join(sorted(w.victims)) + " to leave (their grace runs)"
             out.append((w.request, w.since, why))
@@ -707,7 +737,7 @@ class Ledger:
         return len(self._cpus)
 
     def tenant_usage(self, tenant: str) -> int:
-        return sum(a.total for a in self._allocs.values() if a.tenant == tenant)
+        return self._index.tenant_usage(tenant)
 
     # --- rules ------------------------------------------------------------
 
@@ -784,16 +814,17 @@ class Ledger:
             gpu = self._gpus[g]
             gpu.free -= alloc.share
             gpu.tasks[alloc.task_id] = alloc.share
-        self._free_cpus.difference_update(alloc.cpus)
+        if alloc.cpus:
+            self._free_cpus = self._free_cpus.difference(alloc.cpus)
         self._allocs[alloc.task_id] = alloc
 
     def _drop(self, alloc: Allocation) -> None:
         del self._allocs[alloc.task_id]
-        self._whole_candidates.forget(alloc.task_id)
         for g in alloc.gpus:
             gpu = self._gpus[g]
             gpu.free += gpu.tasks.pop(alloc.task_id)
-        self._free_cpus.update(alloc.cpus)
+        if alloc.cpus:
+            self._free_cpus = self._free_cpus.union(alloc.cpus)
         self._grow_since.pop(alloc.task_id, None)
 
     def _check_tenant(self, req: Request, minus: dict[str, int] | None = None) -> None:
@@ -837,6 +868,8 @@ class Ledger:
                 ordered = sorted(candidates, key=lambda g: (g.spec.index - self._rr_last - 1) % (1 << 30))
             case Strategy.RANDOM:
                 ordered = sorted(candidates, key=lambda g: g.spec.index)
+                if not self._journal.keeps("rng"):
+                    self._journal.keep("rng", partial(self._rng.setstate, self._rng.getstate()))
                 self._rng.shuffle(ordered)
             case _:
                 ordered = sorted(candidates, key=lambda g: g.spec.index)
@@ -897,15 +930,16 @@ class Ledger:
         rest = sorted(c for c in self._free_cpus if c not in local)
         return (local + rest)[:count]
 
-    def _enqueue(self, w: _Waiter) -> None:
+    def _enqueue(self, w: _Waiter, why: Insufficient) -> None:
         self._waiting[w.request.task_id] = w
+        self._why[w.request.task_id] = why
         self._seq += 1
-        self._waiters.append((-w.request.priority, self._seq, w.request.task_id))
-        self._waiters.sort()
+        self._waiters = sorted([*self._waiters, (-w.request.priority, self._seq, w.request.task_id)])
 
     def _unwait(self, task_id: str, now: int) -> list[LedgerEffect]:
         """Out of the queue; the notices it caused are withdrawn (their victims then rest a while)."""
         w = self._waiting.pop(task_id)
+        del self._why[task_id]
         self._waiters = [x for x in self._waiters if x[2] != task_id]
         if w.suspended is not None:
             self._history.pop(task_id, None)
@@ -936,14 +970,15 @@ class Ledger:
         """A whole preemption: the task's next allocation hears of it."""
         resume = alloc.on_preempt in (Recovery.CHECKPOINT, Recovery.SUSPEND) or alloc.resume
         self._history[alloc.task_id] = (alloc.preemptions + 1, resume)
-        while len(self._history) > 4 * self._max_waiters + 4096:  # bounded: the oldest are forgotten
+        # Bounded: the oldest are forgotten (one a rollback put back counts as the newest).
+        while len(self._history) > 4 * self._max_waiters + 4096:
             del self._history[next(iter(self._history))]
 
     def _take_back(self, task_id: str, now: int, *, overran: bool) -> list[LedgerEffect]:
         n = self._notices.pop(task_id)
         alloc = self._allocs[task_id]
         if n.by in self._waiting:
-            self._reserved.update((g, n.by) for g in n.gpus)
+            self._reserved = {**self._reserved, **{g: n.by for g in n.gpus}}
         if not n.whole:
             self._drop(alloc)
             after = replace(alloc, gpus=tuple(g for g in alloc.gpus if g not in n.gpus), changed_us=now)
@@ -965,7 +1000,7 @@ class Ledger:
                 pinned=alloc.gpus,  # exactly these GPUs: no elastic range (its terms are the allocation's)
             )
             held = replace(alloc, preemptions=alloc.preemptions + 1, resume=True)
-            self._enqueue(_Waiter(req, NEVER, Insufficient("gpus", "suspended"), now, suspended=held))
+            self._enqueue(_Waiter(req, NEVER, now, suspended=held), Insufficient("gpus", "suspended"))
         else:
             self._remember(alloc)
         return effects + self._serve(now)
@@ -978,9 +1013,10 @@ class Ledger:
             try:
                 alloc = self._place(w.request, now, w.suspended)
             except Insufficient as short:
-                w.last_reason = short
+                self._why[task_id] = short  # not durable: kept apart from the wait, whose record it would touch
                 continue
             del self._waiting[task_id]
+            del self._why[task_id]
             self._waiters = [x for x in self._waiters if x[2] != task_id]
             effects.append(Served(alloc, resumed=w.suspended is not None))
             effects += self._withdraw_for(w, now)  # served before all its victims left: they may stay
@@ -1022,9 +1058,11 @@ class Ledger:
         still to come: one already past is no reason to wake (the timer would wake again at once)."""
         if not any(w.suspended is None and not self._victims_running(w) for w in self._waiting.values()):
             return []
-        at = [a.created_us + self.preemption.min_runtime_us for a in self._allocs.values() if a.priority > 0]
-        at += list(self._immune.values())
-        return [t for t in at if t > self._advanced_to]
+        at = [
+            self._index.first_maturity(self._advanced_to, self.preemption.min_runtime_us),
+            self._index.first_immunity_after(self._advanced_to),
+        ]
+        return [t for t in at if t is not None]
 
     def _plan(self, now: int) -> list[LedgerEffect]:
         """Victims for each waiter (highest priority first) that has none and does not fit."""
@@ -1040,38 +1078,24 @@ class Ledger:
                 continue
             for c in victims:
                 effects += self._notice(self._allocs[c.task_id], c.reason, c.gpus, c.whole, task_id, now)
-            w.victims = frozenset(c.task_id for c in victims)
-            w.deadline = max(w.deadline, now + self.preemption.grace_us + 1)
+            deadline = max(w.deadline, now + self.preemption.grace_us + 1)
+            self._waiting[task_id] = replace(w, victims=frozenset(c.task_id for c in victims), deadline=deadline)
         return effects
 
     def _victims_for(self, req: Request, now: int) -> list[Candidate]:
         open_gpus = self._open_gpus(req)
         room = Room({g.spec.index: g.free for g in open_gpus}, len(self._free_cpus))
         need = Need(req.gpus if not req.pinned else len(req.pinned) * min(req.gpus, UNIT), req.cpus)
-        mature = now - self.preemption.min_runtime_us
-        extras: list[Candidate] = []
         reclaim: list[Candidate] = []
-        lower: list[Candidate] = []
-        notices, reachable, immune = self._notices, self.reachable, self._immune
-        made, priority = self._whole_candidates.by_task, req.priority
-        for t, a in self._allocs.items():  # one pass over every allocation: kept lean
-            held = made.get(t)
-            if held is None or held[0] is not a:
-                held = self._whole_candidates.make(a, self._candidate)
-            c = held[1]  # None: never a victim of a request (production, protected)
-            if c is None or c.priority > priority or t in notices or t not in reachable or t in immune:
-                continue
-            if held[2]:  # elastic, above its minimum
-                extras.append(self._candidate(a, PreemptReason.ELASTIC, a.extras))
-            if c.priority < priority and not held[3] and (not c.priority or c.created <= mature):
-                lower.append(c)
         if req.tenant is not None and self.tenant_usage(req.tenant) + req.gpus <= self._tenants[req.tenant].gpus:
             reclaim = self._borrowed(req.tenant)
-        reclaimed = {c.task_id for c in reclaim}
+        # The strategy's pool is read from the index, as far as the choice needs: not a pass over all.
+        mature = now - self.preemption.min_runtime_us
+        lower = self._index.lower_pool(req.priority, mature, self.reachable, {c.task_id for c in reclaim})
         pools = [
-            Pool(extras, PreemptStrategy.LOWEST_PRIORITY),
+            Pool(self._extras(req.priority), PreemptStrategy.LOWEST_PRIORITY),
             Pool(reclaim, PreemptStrategy.NEWEST_FIRST),
-            Pool([c for c in lower if c.task_id not in reclaimed], self.preemption.strategy),
+            Pool(lower, self.preemption.strategy),
         ]
 
         if req.tenant is None:
@@ -1091,11 +1115,14 @@ class Ledger:
         chosen = choose(need, room, pools, tenant_ok)
         return _one_per_task(chosen)
 
-    def _candidate(self, a: Allocation, reason: PreemptReason, gpus: tuple[int, ...]) -> Candidate:
-        whole = gpus == a.gpus
-        return Candidate(
-            a.task_id, gpus, a.share, len(a.cpus) if whole else 0, a.priority, a.created_us, whole, reason, a.tenant
-        )
+    def _extras(self, priority: int) -> list[Candidate]:
+        """Elastic allocations' GPUs above their minimum, of priorities up to ``priority``."""
+        out = []
+        for t in self._index.elastic:
+            a = self._allocs[t]
+            if a.extras and a.priority <= priority and self._eligible(a):
+                out.append(as_victim(a, PreemptReason.ELASTIC, a.extras))
+        return out
 
     def _borrowed(self, lender: str) -> list[Candidate]:
         """Allocations of tenants above their quota, newest first, as far as they are over it."""
@@ -1104,14 +1131,13 @@ class Ledger:
             if tenant == lender:
                 continue
             over = self.tenant_usage(tenant) - quota.gpus
-            for a in sorted(
-                (a for a in self._allocs.values() if a.tenant == tenant), key=lambda a: (-a.created_us, a.task_id)
-            ):
+            for t in self._index.newest_of(tenant) if over > 0 else ():
+                a = self._allocs[t]
+                if self._eligible(a) and a.on_preempt != Recovery.SHRINK:
+                    out.append(as_victim(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
+                over -= a.total
                 if over <= 0:
                     break
-                if self._eligible(a) and a.on_preempt != Recovery.SHRINK:
-                    out.append(self._candidate(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
-                over -= a.total
         return out
 
     def observe(self, gpu: int, percent: float, now: int) -> bool:
@@ -1139,7 +1165,7 @@ class Ledger:
         effects: list[LedgerEffect] = []
         if not self.preemption.busy_percent:
             return effects
-        for a in list(self._allocs.values()):
+        for a in self._elastic():
             if not a.extras or a.task_id in self._notices or a.task_id not in self.reachable:
                 continue
             at = self._through_window(self._idle_since, a.gpus)
@@ -1152,7 +1178,7 @@ class Ledger:
         if not self.preemption.busy_percent:
             return []
         out = []
-        for a in self._allocs.values():
+        for a in self._elastic():
             if a.extras and a.task_id not in self._notices and a.task_id in self.reachable:
                 at = self._through_window(self._idle_since, a.gpus)
                 if at is not None:
@@ -1163,7 +1189,7 @@ class Ledger:
         """Elastic allocations take whole GPUs that stayed free through the window (and, with
         ``busy_percent``, while their own GPUs stayed busy)."""
         effects: list[LedgerEffect] = []
-        for a in list(self._allocs.values()):
+        for a in self._elastic():
             if not a.gpus_max or len(a.gpus) >= a.gpus_max or a.task_id in self._notices:
                 continue
             if self.preemption.busy_percent and self._through_window(self._busy_since, a.gpus) is None:
@@ -1185,6 +1211,10 @@ class Ledger:
             effects.append(Grown(grown))
         return effects
 
+    def _elastic(self) -> list[Allocation]:
+        """The elastic allocations, by task id (the first grows first when GPUs are scarce)."""
+        return [self._allocs[t] for t in sorted(self._index.elastic)]
+
     def _grow_at(self, task_id: str) -> int:
         """When an elastic allocation that could grow since ``_grow_since`` may: the GPUs stayed free
         through the window, and its cooldown since its last change is over."""
@@ -1194,31 +1224,6 @@ class Ledger:
         if cfg.busy_percent:
             at = max(at, self._through_window(self._busy_since, a.gpus) or 0)
         return at
-
-
-class _Made:
-    """Each allocation as a whole victim, made once: a plan looks at every allocation, and most did
-    not change since the last. Not state (its repr says nothing, a rollback leaves it): an entry is
-    used only for the very allocation object it was made from. An entry: (the allocation, it as a
-    whole victim or None when a request never takes it, it has extras, it only ever shrinks)."""
-
-    __slots__ = ("by_task",)
-
-    def __init__(self) -> None:
-        self.by_task: dict[str, tuple[Allocation, Candidate | None, bool, bool]] = {}
-
-    def __repr__(self) -> str:
-        return "<victims made once>"
-
-    def make(
-        self, a: Allocation, make: Callable[[Allocation, PreemptReason, tuple[int, ...]], Candidate]
-    ) -> tuple[Allocation, Candidate | None, bool, bool]:
-        victim = None if a.priority >= 100 or a.protected else make(a, PreemptReason.PRIORITY, a.gpus)
-        held = self.by_task[a.task_id] = (a, victim, bool(a.extras), a.on_preempt == Recovery.SHRINK)
-        return held
-
-    def forget(self, task_id: str) -> None:
-        self.by_task.pop(task_id, None)
 
 
 def _one_per_task(chosen: list[Candidate]) -> list[Candidate]:

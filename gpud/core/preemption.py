@@ -14,15 +14,22 @@ Rules kept here:
 - Never more victims than needed: once the request fits, each victim is dropped again (the
   last chosen first) if the request still fits without it. No set that fits: no victims at all.
 
-Pure: the ledger builds the candidates (who is eligible is its rule) and calls ``choose``.
-Everything is in the ledger's fixed point (one GPU = ``UNIT``).
+Ties between candidates of equal cost go to the lower task id, and between GPUs to the lower index:
+never to the order in which the candidates came (after a restart or a rollback it differs).
+
+Pure: the ledger builds the candidates (who is eligible is its rule) and calls ``choose``. The
+strategy's pool may be ``Ranked`` rather than listed: per GPU, groups of candidates of equal units,
+share and priority, each newest first, which are read in the strategy's order only as far as the
+choice needs (a fraction needs the cheapest few of 20 000). Everything is in the ledger's fixed
+point (one GPU = ``UNIT``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from heapq import merge
+from typing import Any, NamedTuple, Protocol
 
 from gpud_client.protocol import PreemptReason, PreemptStrategy
 from gpud_client.units import GPU_UNIT as UNIT
@@ -63,12 +70,95 @@ class Room:
 TenantCheck = Callable[[Sequence[Candidate]], bool] | None  # None: the request has no tenant to check
 
 
+GroupKey = tuple[int, int, int]  # (units, share, priority)
+
+
+class Group(Protocol):
+    """The candidates on one GPU of one ``GroupKey``: newest first (ties: the lower task id), or
+    the reverse. Each is read only as far as needed."""
+
+    def newest(self) -> Iterator[Candidate]: ...
+
+    def oldest(self) -> Iterator[Candidate]: ...
+
+
+class Ranked(Protocol):
+    """A pool read as far as needed: per GPU its candidates by ``GroupKey``, and those that give
+    back CPU cores (in any order)."""
+
+    def on(self, gpu: int) -> Mapping[GroupKey, Group]: ...
+
+    def with_cpus(self) -> Iterable[Candidate]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Pool:
-    """Candidates tried together, in the order of ``strategy``."""
+    """Candidates tried together, in the order of ``strategy`` (only the last pool may be ``Ranked``)."""
 
-    candidates: Sequence[Candidate]
+    candidates: Sequence[Candidate] | Ranked
     strategy: PreemptStrategy
+
+
+class _ListedGroup:
+    def __init__(self) -> None:
+        self.candidates: list[Candidate] = []
+
+    def newest(self) -> Iterator[Candidate]:
+        return iter(self.candidates)
+
+    def oldest(self) -> Iterator[Candidate]:
+        return reversed(self.candidates)
+
+
+class _Listed:
+    """A listed pool read as ``Ranked``."""
+
+    def __init__(self, pool: Sequence[Candidate]) -> None:
+        self.by_gpu: dict[int, dict[GroupKey, _ListedGroup]] = {}
+        for c in pool:
+            for g in c.gpus:
+                groups = self.by_gpu.setdefault(g, {})
+                groups.setdefault((c.units, c.share, c.priority), _ListedGroup()).candidates.append(c)
+        for groups in self.by_gpu.values():
+            for group in groups.values():
+                group.candidates.sort(key=_newest)
+        self.cpus = [c for c in pool if c.cpus]
+
+    def on(self, gpu: int) -> Mapping[GroupKey, Group]:
+        return self.by_gpu.get(gpu, {})
+
+    def with_cpus(self) -> Iterable[Candidate]:
+        return self.cpus
+
+
+def _newest(c: Candidate) -> tuple[Any, ...]:
+    """The order within a group, and between groups where the strategy's order leaves a tie."""
+    return (-c.created, c.priority, c.task_id)
+
+
+def _runs(groups: Mapping[GroupKey, Group], by: Callable[[GroupKey], tuple[int, ...]]) -> list[list[GroupKey]]:
+    """The groups' keys in runs of equal ``by``, the runs in ascending order."""
+    runs: dict[tuple[int, ...], list[GroupKey]] = {}
+    for k in groups:
+        runs.setdefault(by(k), []).append(k)
+    return [runs[r] for r in sorted(runs)]
+
+
+def _in_order(groups: Mapping[GroupKey, Group], strategy: PreemptStrategy) -> Iterator[Candidate]:
+    """The candidates of ``groups`` in ``rank(strategy)``'s order, made as they are read: the
+    groups in the order of the strategy's key, those it does not tell apart merged newest first."""
+    match strategy:
+        case PreemptStrategy.NEWEST_FIRST:  # (-created, priority, id)
+            by: Callable[[GroupKey], tuple[int, ...]] = lambda k: ()  # noqa: E731
+        case PreemptStrategy.MINIMUM_VICTIMS:  # (-share, priority, -created, id)
+            by = lambda k: (-k[1], k[2])  # noqa: E731
+        case _:  # (priority, -created, id)
+            by = lambda k: (k[2],)  # noqa: E731
+    for run in _runs(groups, by):
+        if len(run) == 1:
+            yield from groups[run[0]].newest()
+        else:
+            yield from merge(*(groups[k].newest() for k in run), key=_newest)
 
 
 class _Fit:
@@ -122,10 +212,13 @@ def choose(
     for i, pool in enumerate(pools):
         if fit.fits(chosen):
             break
+        candidates = pool.candidates
         if i == last:  # the strategy's pool: aimed at the GPUs that cost it least
-            _aimed(fit, chosen, pool.candidates, pool.strategy)
+            ranked = _Listed(candidates) if isinstance(candidates, Sequence) else candidates
+            _aimed(fit, chosen, ranked, pool.strategy)
         else:
-            _greedy(fit, chosen, _ordered(pool.candidates, pool.strategy))
+            assert isinstance(candidates, Sequence), "only the strategy's pool may be ranked"
+            _greedy(fit, chosen, _ordered(candidates, pool.strategy))
     if not fit.fits(chosen):
         return []
     dropped: set[int] = set()  # never more than needed: the last chosen are the dearest
@@ -149,8 +242,14 @@ def _key(strategy: PreemptStrategy) -> Callable[[Candidate], tuple[int, ...]]:
             return lambda c: (c.priority, -c.created)
 
 
+def rank(strategy: PreemptStrategy) -> Callable[[Candidate], tuple[Any, ...]]:
+    """The order victims are taken in on one GPU, ties to the lower task id."""
+    key = _key(strategy)
+    return lambda c: (*key(c), c.task_id)
+
+
 def _ordered(pool: Sequence[Candidate], strategy: PreemptStrategy) -> list[Candidate]:
-    return sorted(pool, key=lambda c: (*_key(strategy)(c), c.task_id))
+    return sorted(pool, key=rank(strategy))
 
 
 def _cost(victims: Sequence[Candidate], strategy: PreemptStrategy) -> tuple[Any, ...]:
@@ -169,21 +268,6 @@ def _cost(victims: Sequence[Candidate], strategy: PreemptStrategy) -> tuple[Any,
                 count,
                 -min((c.created for c in victims), default=0),
             )
-
-
-def _bound(on: Sequence[Candidate], short: int, strategy: PreemptStrategy) -> tuple[Any, ...]:
-    """No more than the cost (``_cost``) of any set of ``on`` that covers ``short``."""
-    if short <= 0:
-        return ()
-    match strategy:
-        case PreemptStrategy.MINIMUM_VICTIMS:
-            return (1,)
-        case PreemptStrategy.MINIMUM_WASTE:
-            return (short,)
-        case PreemptStrategy.NEWEST_FIRST:
-            return (-max(c.created for c in on),)
-        case _:
-            return ([min(c.priority for c in on)],)
 
 
 def _useful(fit: _Fit, c: Candidate) -> bool:
@@ -211,48 +295,22 @@ def _take(fit: _Fit, chosen: list[Candidate], victims: Sequence[Candidate]) -> N
         fit.add(c)
 
 
-def _aimed(fit: _Fit, chosen: list[Candidate], pool: Sequence[Candidate], strategy: PreemptStrategy) -> None:
+def _aimed(fit: _Fit, chosen: list[Candidate], pool: Ranked, strategy: PreemptStrategy) -> None:
     """Victims aimed at the GPUs that cost the least to make room on: for a fraction the one GPU
     whose cheapest cover costs least; for whole GPUs, one GPU after another, each emptied of what
     is left on it; then CPU cores (the most first for the fewest victims or the least waste)."""
     taken = {c.task_id for c in chosen if c.whole}  # an elastic one chosen for its extras may still go whole
-    by_gpu: dict[int, list[Candidate]] = {}
-    free = fit.room.free
-    for c in pool:
-        if taken and c.task_id in taken:
-            continue
-        for g in c.gpus:
-            if g in free:
-                on = by_gpu.get(g)
-                if on is None:
-                    by_gpu[g] = [c]
-                else:
-                    on.append(c)
-    key = _key(strategy)
+    gpus = sorted(fit.room.free)
+    key = rank(strategy)
     if 0 < fit.need.gpus < UNIT and not fit.gpus_fit():
-        best: list[Candidate] | None = None
-        best_cost: tuple[Any, ...] = ()
-        # Newest first: GPUs in the order of a bound no cover on them can beat (the newest there), so
-        # that once a bound is above the best cost found, so is every later GPU's. The other costs'
-        # bounds tie too often to pay for the sorting.
-        newest = strategy == PreemptStrategy.NEWEST_FIRST
-        gpus: Iterable[tuple[int, list[Candidate]]] = by_gpu.items()
-        if newest:
-            gpus = sorted(gpus, key=lambda item: _bound(item[1], fit.need.gpus - fit.free_on(item[0]), strategy))
-        for g, on in gpus:
-            short = fit.need.gpus - fit.free_on(g)
-            if newest and best is not None and _bound(on, short, strategy) > best_cost:
-                break
-            picked = _cover(short, on, strategy, key)
-            if picked is None:
-                continue
-            cost = _cost(picked, strategy)
-            if best is None or cost < best_cost:
-                best, best_cost = picked, cost
-        _take(fit, chosen, best or [])
+        cover = _cheapest_cover(fit, pool, gpus, taken, strategy)
+        taken.update(c.task_id for c in cover)
+        _take(fit, chosen, cover)
     elif fit.need.gpus >= UNIT:
+        by_gpu = {g: on for g in gpus if (on := [c for c in _in_order(pool.on(g), strategy) if c.task_id not in taken])}
         while not fit.gpus_fit():
-            best = None
+            best: list[Candidate] | None = None
+            best_cost: tuple[Any, ...] = ()
             for g, on in by_gpu.items():
                 short = UNIT - fit.free_on(g)
                 if short <= 0:
@@ -267,46 +325,115 @@ def _aimed(fit: _Fit, chosen: list[Candidate], pool: Sequence[Candidate], strate
                 break
             taken.update(c.task_id for c in best)
             _take(fit, chosen, best)
+    cpus = [c for c in pool.with_cpus() if c.task_id not in taken and c.cpus]
     if strategy in (PreemptStrategy.MINIMUM_VICTIMS, PreemptStrategy.MINIMUM_WASTE):
-        rest = sorted((c for c in pool if c.task_id not in taken and c.cpus), key=lambda c: (-c.cpus, *key(c)))
+        rest = sorted(cpus, key=lambda c: (-c.cpus, *key(c)))
     else:  # the strategy's own order: the lowest priorities, or the newest
-        rest = sorted((c for c in pool if c.task_id not in taken and c.cpus), key=key)
+        rest = sorted(cpus, key=key)
     _greedy(fit, chosen, rest)
 
 
-def _cover(
-    short: int, on: Sequence[Candidate], strategy: PreemptStrategy, key: Callable[[Candidate], tuple[int, ...]]
-) -> list[Candidate] | None:
-    """Victims on one GPU whose shares add up to ``short``, in the strategy's order; for the least
-    waste, the smallest single one that covers, else the largest first while they fit under what
-    is short, then the smallest that covers the rest."""
-    if short <= 0:
-        return []
-    if sum(c.share for c in on) < short:
-        return None
+def _cheapest_cover(
+    fit: _Fit, pool: Ranked, gpus: list[int], taken: set[str], strategy: PreemptStrategy
+) -> list[Candidate]:
+    """For a fraction: the cover of the GPU where it costs least ([] when none covers). Each GPU's
+    candidates are read in the strategy's order only until they cover (but for the least waste)."""
+    best: list[Candidate] | None = None
+    best_cost: tuple[Any, ...] = ()
+    ranked: Iterable[tuple[int, Iterator[Candidate]]] = (
+        (g, (c for c in _in_order(pool.on(g), strategy) if c.task_id not in taken)) for g in gpus
+    )
+    newest = strategy == PreemptStrategy.NEWEST_FIRST
+    if newest:
+        # GPUs in the order of a bound no cover on them can beat (the newest there), so that once a
+        # bound is above the best cost found, so is every later GPU's. The other costs' bounds tie
+        # too often to pay for reading the GPUs ahead.
+        heads = []
+        for g, on in ranked:
+            first = next(on, None)
+            if first is not None:
+                heads.append(((-first.created,), g, first, on))
+        heads.sort(key=lambda h: (h[0], h[1]))
+        ranked = ((g, _prepend(first, on)) for _, g, first, on in heads)
+        bounds = {g: bound for bound, g, _, _ in heads}
+    for g, on in ranked:
+        short = fit.need.gpus - fit.free_on(g)
+        if newest and best is not None and bounds[g] > best_cost:
+            break
+        if strategy == PreemptStrategy.MINIMUM_WASTE:
+            picked = _waste_cover(short, pool.on(g), taken)
+        else:
+            picked = _prefix(short, on)
+        if picked is None:
+            continue
+        cost = _cost(picked, strategy)
+        if best is None or cost < best_cost:
+            best, best_cost = picked, cost
+    return best or []
+
+
+def _prepend(first: Candidate, rest: Iterator[Candidate]) -> Iterator[Candidate]:
+    yield first
+    yield from rest
+
+
+def _prefix(short: int, on: Iterable[Candidate]) -> list[Candidate] | None:
+    """The first victims (in the strategy's order) whose shares add up to ``short``; None: all do not."""
     picked: list[Candidate] = []
     got = 0
-    if strategy != PreemptStrategy.MINIMUM_WASTE:
-        for c in sorted(on, key=key):
-            if got >= short:
-                break
-            picked.append(c)
-            got += c.share
+    if short <= 0:
         return picked
-    ordered = sorted(on, key=lambda c: (c.share * len(c.gpus), c.priority, -c.created))
-    taken: set[str] = set()
-    for c in reversed(ordered):
-        if got + c.share <= short:
-            picked.append(c)
-            taken.add(c.task_id)
-            got += c.share
-    if got < short:
-        covering = next((c for c in ordered if c.task_id not in taken and got + c.share >= short), None)
-        if covering is not None:
-            picked.append(covering)
+    for c in on:
+        picked.append(c)
+        got += c.share
+        if got >= short:
+            return picked
+    return None
+
+
+def _waste_cover(short: int, groups: Mapping[GroupKey, Group], taken: set[str]) -> list[Candidate] | None:
+    """For the least waste: victims on one GPU whose shares add up to ``short``, in the order of
+    (units, priority, -created, id): the largest first while they fit under what is short, then the
+    smallest that covers the rest, else the largest again until covered. None: all do not cover.
+    Groups whose shares are all too large (or too small) to be picked are not read."""
+    runs = _runs(groups, lambda k: (k[0], k[2]))  # units, priority
+
+    def read(run: list[GroupKey], down: bool) -> Iterator[Candidate]:
+        if len(run) == 1:
+            found = groups[run[0]].oldest() if down else groups[run[0]].newest()
         else:
-            for c in reversed(ordered):
-                if c.task_id not in taken and got < short:
+            found = merge(*(groups[k].oldest() if down else groups[k].newest() for k in run), key=_newest, reverse=down)
+        return (c for c in found if c.task_id not in taken)
+
+    picked: list[Candidate] = []
+    got = 0
+    if short <= 0:
+        return picked
+    mine: set[str] = set()
+    for run in reversed(runs):
+        if min(k[1] for k in run) > short - got:
+            continue
+        same = len({k[1] for k in run}) == 1
+        for c in read(run, True):
+            if got + c.share <= short:
+                picked.append(c)
+                mine.add(c.task_id)
+                got += c.share
+            elif same:
+                break  # the rest of the run is as large
+    if got < short:
+        for run in runs:
+            if max(k[1] for k in run) < short - got:
+                continue
+            covering = next((c for c in read(run, False) if c.task_id not in mine and got + c.share >= short), None)
+            if covering is not None:
+                picked.append(covering)
+                return picked
+        for run in reversed(runs):
+            for c in read(run, True):
+                if got >= short:
+                    return picked
+                if c.task_id not in mine:
                     picked.append(c)
                     got += c.share
-    return picked
+    return picked if got >= short else None

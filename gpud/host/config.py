@@ -70,6 +70,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # A PARK (gpuctl run: move a paused program's GPU memory to host memory) unanswered this long
     # counts as refused. Checkpoints move a few GB a second: 120 s covers a whole large GPU.
     park_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 120.0
+    # gpuctl run: the cgroups gpud makes for runs' programs (docs/run.md): "auto" (gpud-runs below
+    # gpud's own cgroup), "off", or the absolute directory of a cgroup on the cgroup2 mount.
+    run_cgroups: Annotated[str, Meta(pattern=r"^(auto|off|/[^\x00]*)$", max_length=4096)] = "auto"
+    # A FREEZE the kernel has not finished (cgroup.events frozen 1) within this long is answered as failed.
+    run_freeze_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 5.0
     mode: Mode = Mode.AUTO
     memory_reserve_percent: Annotated[int, Meta(ge=0, le=90)] = 10
     # Compute limits. The defaults of carryover and drop tail were chosen by
@@ -116,6 +121,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_sessions_per_connection: Cap = 256  # sessions and leases
     max_lock_queue: Cap = 1024  # waiting LOCK_REQUESTs per GPU
     max_allocation_waiters: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
+    # What one uid can make the daemon hold: allocations (running or suspended), waits, and every
+    # record the store keeps for it (those two and the preemption history of its task ids).
+    max_allocations_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024
+    max_allocation_waits_per_uid: Annotated[int, Meta(ge=0, le=1_000_000)] = 32
+    max_allocation_records_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 2048
+    # After a restart, a wait restored from the store and served while its client is away is
+    # released if no client asks for it again within this long.
+    crash_grace_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
     # A connection's unsent answers and pushes: above the high-water mark the daemon stops
     # reading its requests; past the limit (a client that never reads) it is disconnected.
     outbox_high_water_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**30)] = 2**20

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gpud.host.cells import CounterCells, GaugeCells, HistogramCells
 from gpud_client import protocol as p
@@ -33,6 +33,7 @@ FAULT_PLACES = (
     "monitor",
     "watchdog",
     "reload",
+    "runs",
 )
 CAPS = (
     "max_connections",
@@ -40,7 +41,13 @@ CAPS = (
     "max_sessions_per_connection",
     "max_lock_queue",
     "max_allocation_waiters",
+    "max_allocations_per_uid",
+    "max_allocation_waits_per_uid",
+    "max_allocation_records_per_uid",
 )
+# Signals gpud sends to processes it holds, by signal and why (docs/security.md).
+SIGNALS = ("SIGTERM", "SIGKILL")
+SIGNAL_WHYS = ("preempt_notice", "preempt_grace_over")
 DROPPED = ("too_slow", "peer_gone", "no_hello")
 
 # Lease waits and holds of inference calls: from sub-millisecond to a minute.
@@ -103,6 +110,9 @@ class Metrics:
             n.connections_refused.labels(cap)
         for reason in DROPPED:
             n.connections_dropped.labels(reason)
+        for sig in SIGNALS:
+            for why in SIGNAL_WHYS:
+                n.signals_sent.labels(sig, why)
 
 
 def session_labels(gpu: int, session: int, client: str, pid: int) -> tuple[str, str, str, str]:
@@ -212,6 +222,36 @@ class NodeMetrics:
         self.store_failures = Counter(
             "gpud_store_failures_total", "Changes refused because the store could not record them.", registry=registry
         )
+        self.signals_sent = Counter(
+            "gpud_signals_sent_total",
+            "Signals gpud delivered to a process it holds (an allocation's owner), by signal and why.",
+            ["signal", "why"],
+            registry=registry,
+        )
+        self.owner_refusals = Counter(
+            "gpud_owner_refusals_total",
+            "Owner pids refused because the caller may not name that process.",
+            registry=registry,
+        )
+
+        # gpuctl run: the programs gpud holds for runs (gpud.capabilities.runs, docs/run.md)
+        self.runs = Gauge(
+            "gpud_runs", "Runs' programs gpud holds, by backend (cgroup: in a cgroup of gpud's).", ["backend"],
+            registry=registry,
+        )  # fmt: skip
+        self.run_escapes = Counter(
+            "gpud_run_escapes_total",
+            "Processes of paused runs' programs caught running (continued from outside), as their runs reported.",
+            registry=registry,
+        )
+        self.run_kills = Counter(
+            "gpud_run_cgroup_kills_total", "Run cgroups ended whole (cgroup.kill), by reason.", ["reason"],
+            registry=registry,
+        )  # fmt: skip
+        self.run_freeze = Histogram(
+            "gpud_run_freeze_seconds", "FREEZE to the kernel's frozen 1 in cgroup.events.",
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 1, 5), registry=registry,
+        )  # fmt: skip
 
     def forget_session(self, labels: tuple[str, str, str, str]) -> None:
         """A session's series go with it, at once (the monitor refreshes the others)."""

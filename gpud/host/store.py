@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -119,6 +119,9 @@ class _Record(msgspec.Struct, frozen=True):
     notice: _Notice | None = None
     wait: _Wait | None = None
     suspended: bool = False
+    # The owner process's start time (clock ticks after boot): after a restart, only that very
+    # process is its owner again, never a reuse of its pid. None in older records.
+    owner_start: int | None = None
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Loaded:
     records: list[tuple[TaskRecord, int]] = field(default_factory=list)  # (task, uid)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (task id, why)
     draining: list[int] = field(default_factory=list)  # GPUs an operator drains
+    starts: dict[str, int] = field(default_factory=dict)  # task id -> its owner's start time, where stored
 
 
 class Store:
@@ -199,9 +203,12 @@ class Store:
         *,
         clear: bool = False,
         draining: Iterable[int] | None = None,
+        starts: Mapping[str, int | None] | None = None,
     ) -> None:
-        """One change, in one transaction: all of it is stored, or none (``StoreError``)."""
-        rows = [(r.task_id, self._enc.encode(self._record(r, uid))) for r, uid in put]
+        """One change, in one transaction: all of it is stored, or none (``StoreError``).
+        ``starts``: the owner processes' start times, by task id."""
+        starts = starts or {}
+        rows = [(r.task_id, self._enc.encode(self._record(r, uid, starts.get(r.task_id)))) for r, uid in put]
         drained = None if draining is None else ",".join(map(str, sorted(draining)))
 
         def change(db: sqlite3.Connection) -> None:
@@ -229,7 +236,7 @@ class Store:
             raise StoreError(f"{exc} (store {self.path})") from None
 
     @staticmethod
-    def _record(rec: TaskRecord | Allocation, uid: int) -> _Record:
+    def _record(rec: TaskRecord | Allocation, uid: int, owner_start: int | None = None) -> _Record:
         if isinstance(rec, Allocation):
             rec = TaskRecord(rec.task_id, allocation=rec)
         a = rec.allocation or rec.suspended
@@ -273,6 +280,7 @@ class Store:
                 list(rec.victims),
             ),
             suspended=rec.suspended is not None,
+            owner_start=owner_start,
         )
 
     @staticmethod
@@ -345,6 +353,8 @@ class Store:
                 out.unreadable.append((str(task_id), str(exc)))
                 continue
             out.records.append((self._task(r), r.uid))
+            if r.owner_start is not None:
+                out.starts[r.task_id] = r.owner_start
         row = self._db.execute("SELECT value FROM meta WHERE key = 'draining'").fetchone()
         if row is not None and row[0]:
             out.draining = [int(g) for g in str(row[0]).split(",") if g.isdigit()]

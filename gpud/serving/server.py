@@ -34,6 +34,7 @@ from gpud.capabilities.leases import Leases
 from gpud.capabilities.locks import Locks
 from gpud.capabilities.status import Status
 from gpud.core.errors import Refused
+from gpud.core.ledger import UNIT
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import GpuScheduler, SchedulerConfig
 from gpud.host.config import Config
@@ -93,7 +94,7 @@ class Daemon:
             self.links,
             self.started_at,
             self.settle_all,
-            lambda g: bool(self.allocations.ledger.gpu_tasks(g)),
+            lambda g: self.allocations.ledger.gpu_free(g) < UNIT,  # no walk over its tasks: STATUS stays cheap
         )
         self.handlers: dict[type, Handler] = {p.Hello: self.hello}
         for part in (self.locks, self.leases, self.allocations, self.admin, self.status):

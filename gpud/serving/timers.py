@@ -69,5 +69,9 @@ def tick_allocations(daemon: Daemon, now: int, *, reap: bool) -> None:
     """What the allocations' timer does when it wakes: expire waits; reclaim dead owners' allocations
     if ``reap`` (never while shutting down)."""
     daemon.allocations.advance(now)
-    if reap and not daemon.shutting_down:
+    if daemon.shutting_down:
+        return
+    if reap:
         daemon.allocations.reap(now)
+    elif daemon.allocations.reaping:  # the rest of a reap, a batch a turn
+        daemon.allocations.reap_more(now)

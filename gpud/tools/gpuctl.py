@@ -219,6 +219,7 @@ _FLAGS = {
     "priority_class": "--priority",
     "wait_ms": "--wait",
     "owner_pid": "--owner-pid",
+    "owner_any_uid": "--owner-any-uid",
     "seconds": "SECONDS",
     "gpu": "--gpu",
     "client": "CLIENT",
@@ -339,6 +340,7 @@ def cmd_alloc(args: argparse.Namespace) -> None:
         priority_class=priority if isinstance(priority, str) else None,
         wait_ms=args.wait_ms,
         owner_pid=args.owner_pid,
+        owner_any_uid=args.owner_any_uid,
     )
     reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
     asked = args.on_preempt or span or priority in (p.PriorityClass.SPOT, p.PRIORITY_OF_CLASS[p.PriorityClass.SPOT])
@@ -363,7 +365,11 @@ def cmd_free(args: argparse.Namespace) -> None:
 
 
 def cmd_allocs(args: argparse.Namespace) -> None:
-    reply = _call(args, p.ListAllocations(id=0))
+    with _connect(args) as conn:  # a page at a time, on one connection
+        pages = [conn.call(p.ListAllocations(id=conn.next_id()), timeout=10.0)]
+        while (after := pages[-1].next_after) is not None:
+            pages.append(conn.call(p.ListAllocations(id=conn.next_id(), after=after), timeout=10.0))
+    reply = p.join_pages(pages)
     _emit(args, reply, render_allocs(reply))
 
 
@@ -526,7 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--owner-pid",
         type=at.owner_pid,
         metavar="PID",
-        help="reclaim the allocation when this process (of this machine) dies",
+        help="reclaim the allocation when this process dies, and tell it (SIGTERM) when it is preempted: "
+        "one of yours, of your own session: this gpuctl's parent shell ($$), or a job it started ($!)",
+    )
+    alloc.add_argument(
+        "--owner-any-uid",
+        action="store_true",
+        help="admin: --owner-pid may be another user's process (logged as owner_any_uid)",
     )
     alloc.set_defaults(func=cmd_alloc)
     free = sub.add_parser("free", parents=[common], help="release a task's allocation")

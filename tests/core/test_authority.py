@@ -78,27 +78,43 @@ def alloc(task: str, gpu: int, share: int, owner_pid: int | None = None) -> Allo
 QUARTER, HALF = UNIT // 4, UNIT // 2
 
 
-def test_the_owner_pid_wins_over_the_uid() -> None:
+def owned(allocs: list[Allocation], chain: list[int]) -> list[set[str]]:
+    """What each process of ``chain`` owns, as the shell's held owners say."""
+    return [{a.task_id for a in allocs if a.owner_pid == pid} for pid in chain]
+
+
+def find(allocs: list[Allocation], owners: dict[str, int], gpu: int, chain: list[int], uid: int) -> Allocation | None:
+    return owning_allocation(allocs, owners, gpu, owned(allocs, chain), uid)
+
+
+def test_the_owner_pid_wins_over_the_smallest_share() -> None:
     mine = alloc("mine", 0, QUARTER)  # made by uid 1000, no owner pid
-    by_pid = alloc("by-pid", 0, HALF, owner_pid=77)  # made by another uid for this process
-    found = owning_allocation([mine, by_pid], {"mine": 1000, "by-pid": 0}, 0, [77, 1], 1000)
-    assert found is by_pid
+    by_pid = alloc("by-pid", 0, HALF, owner_pid=77)  # made by uid 1000 for this process
+    assert find([mine, by_pid], {"mine": 1000, "by-pid": 1000}, 0, [77, 1], 1000) is by_pid
+
+
+def test_another_uids_allocation_never_sets_a_sessions_ceiling() -> None:
+    """Naming another user's shell as an owner (gpud refuses that now) would not cap it either."""
+    squat = alloc("squat", 0, UNIT // 100, owner_pid=77)  # made by uid 2000, naming uid 1000's process
+    assert find([squat], {"squat": 2000}, 0, [77, 1], 1000) is None
+    mine = alloc("mine", 0, HALF)
+    assert find([squat, mine], {"squat": 2000, "mine": 1000}, 0, [77, 1], 1000) is mine
 
 
 def test_the_nearest_ancestor_that_owns_one_wins() -> None:
     grandparent = alloc("gp", 0, QUARTER, owner_pid=50)
     parent = alloc("p", 0, HALF, owner_pid=60)
-    owners = {"gp": 0, "p": 0}
-    assert owning_allocation([grandparent, parent], owners, 0, [70, 60, 50], 1000) is parent
-    assert owning_allocation([parent, grandparent], owners, 0, [70, 50], 1000) is grandparent
+    owners = {"gp": 1000, "p": 1000}
+    assert find([grandparent, parent], owners, 0, [70, 60, 50], 1000) is parent
+    assert find([parent, grandparent], owners, 0, [70, 50], 1000) is grandparent
 
 
 def test_by_uid_the_smallest_share_is_chosen() -> None:
     big, small, other_uid = alloc("big", 0, HALF), alloc("small", 0, QUARTER), alloc("theirs", 0, UNIT // 10)
     owners = {"big": 1000, "small": 1000, "theirs": 2000}
-    assert owning_allocation([big, small, other_uid], owners, 0, [70], 1000) is small
+    assert find([big, small, other_uid], owners, 0, [70], 1000) is small
     tie_b, tie_a = alloc("b", 0, QUARTER), alloc("a", 0, QUARTER)
-    assert owning_allocation([tie_b, tie_a], {"a": 1, "b": 1}, 0, [70], 1) is tie_a  # then by task id
+    assert find([tie_b, tie_a], {"a": 1, "b": 1}, 0, [70], 1) is tie_a  # then by task id
 
 
 def test_whole_gpu_and_other_gpu_allocations_never_match() -> None:
@@ -106,12 +122,12 @@ def test_whole_gpu_and_other_gpu_allocations_never_match() -> None:
     elsewhere = alloc("elsewhere", 1, QUARTER, owner_pid=77)
     cpus_only = Allocation("cpus", (), 0, (3,), None, 50, 77, 0)
     owners = {"whole": 1000, "elsewhere": 1000, "cpus": 1000}
-    assert owning_allocation([whole, elsewhere, cpus_only], owners, 0, [77], 1000) is None
-    assert owning_allocation([whole, elsewhere], owners, 1, [77], 1000) is elsewhere
+    assert find([whole, elsewhere, cpus_only], owners, 0, [77], 1000) is None
+    assert find([whole, elsewhere], owners, 1, [77], 1000) is elsewhere
 
 
 def test_nothing_matches_a_stranger() -> None:
-    assert owning_allocation([alloc("x", 0, QUARTER, owner_pid=5)], {"x": 1000}, 0, [70, 6], 2000) is None
+    assert find([alloc("x", 0, QUARTER, owner_pid=5)], {"x": 1000}, 0, [70, 6], 2000) is None
 
 
 # --- the ceilings of a fractional allocation ------------------------------------

@@ -125,8 +125,8 @@ def test_allocations_of_dead_owners_are_reclaimed(nodes: Callable[..., Node]) ->
             assert task_ids(c) == {"owned", "kept"}  # no pass until 0.6 s
             node.advance_s(0.001)
             assert task_ids(c) == {"kept"}
-        reaped = [e for e in logs if e["event"] == "allocation_reaped"]
-        assert [(e["task_id"], e["owner_pid"]) for e in reaped] == [("owned", owner.pid)]
+        reaped = [e for e in logs if e["event"] == "allocations_reaped"]
+        assert [(e["task_ids"], e["owner_pid"], e["count"]) for e in reaped] == [(["owned"], owner.pid, 1)]
         assert node.stored() == ["kept"]
     finally:
         owner.kill()
@@ -154,7 +154,9 @@ def test_a_session_cannot_lift_its_own_allocations_ceiling_even_as_root(node: No
     """As root, an admin: the task a share caps must still not lift it itself; an admin lifts it
     from another connection (gpuctl limit)."""
     c = CoreClient(node, "capped", uid=0, gid=0)
-    a = c.request(p.Allocate(id=0, task_id="capped-task", gpus=0.25, owner_pid=os.getpid()))
+    with subprocess.Popen(["sleep", "60"]) as child:  # its own child: an owner it may name
+        a = c.request(p.Allocate(id=0, task_id="capped-task", gpus=0.25, owner_pid=child.pid))
+        child.kill()
     s = c.attach(a.gpus[0], task_id="capped-task")
     with pytest.raises(PermissionDenied, match="ceiling of 25 %"):
         c.request(p.SetLimits(id=0, session=s.id, core_limit=100))

@@ -119,18 +119,20 @@ def test_a_fractional_allocation_limits_sessions_that_do_not_name_it(nodes: Node
     assert codes(got) == {"raise": "permission_denied", "lift": "permission_denied", "lower": "ok"}
     node.close(frac)
 
-    # An allocation root made for a process: its children belong to it, whoever they run as,
-    # and that wins over their own uid's smaller allocation on the same GPU. The child is a real
-    # process, so that its parent is what /proc says.
+    # An allocation a uid made for one of its processes: that process's sessions belong to it,
+    # and that wins over the uid's smaller allocation on the same GPU; another uid's sessions
+    # from the very same process are not capped by it. The child is a real process, so that
+    # what /proc says of it is true.
     with subprocess.Popen(["sleep", "60"]) as child:
         try:
-            owner = root(node)
-            owned = owner.call(p.Allocate(id=0, task_id="by-pid", gpus=0.5, prefer=[0], owner_pid=owner.conn.pid))
+            owner = node.connect("owner", uid=0, gid=0, pid=child.pid)
+            owned = owner.call(p.Allocate(id=0, task_id="by-pid", gpus=0.5, prefer=[0], owner_pid=child.pid))
             assert owned.gpus == [0]
-            conn = nobody(node, "child", pid=child.pid)
-            conn.call(p.Allocate(id=0, task_id="nobody-small", gpus=0.1, prefer=[0]))
-            s = conn.call(p.Attach(id=0, gpu=0))
+            owner.call(p.Allocate(id=0, task_id="root-small", gpus=0.1, prefer=[0]))
+            s = owner.call(p.Attach(id=0, gpu=0))
             assert [s.core_limit, s.mem_limit] == [50, 16 * GIB // 2]
+            stranger = nobody(node, "child", pid=child.pid).call(p.Attach(id=0, gpu=0))
+            assert [stranger.core_limit, stranger.mem_limit] == [100, None]
         finally:
             child.kill()
 

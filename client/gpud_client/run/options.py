@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +37,11 @@ class CommandError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def default_task_id() -> str:
+    """A run's task id: unguessable, so that no other uid can take it first and make the run fail."""
+    return f"run-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +80,7 @@ class RunOptions:
         return self.gpus is not None and self.gpus >= 1
 
     def task_id(self) -> str:
-        return self.task or f"run-{socket.gethostname()}-{os.getpid()}"
+        return self.task or default_task_id()
 
 
 _SESSION_ONLY = {"gpu": "--gpu"}
@@ -119,7 +125,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     alloc.add_argument(
         "--task",
         type=at.task_id,
-        help="the task id (default run-HOST-PID); without --gpus: the session belongs to this task's "
+        help="the task id (default run-HOST-PID-RANDOM); without --gpus: the session belongs to this task's "
         "existing fractional allocation, whose share caps it",
     )
     alloc.add_argument("--tenant", type=at.tenant)
@@ -235,7 +241,7 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         gpus=float(args.gpus.min) if elastic else args.gpus,
         gpus_max=args.gpus.max if elastic else None,
         cpus=args.cpus or 0,
-        task=args.task,
+        task=args.task or (default_task_id() if args.gpus is not None else None),
         tenant=args.tenant,
         wait_ms=args.wait_ms or 0,
         on_preempt=args.on_preempt or "terminate",
