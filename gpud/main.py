@@ -165,6 +165,7 @@ async def _serve(
         # hears READY must find gpud's handlers, not the default actions that end the process.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
+                await nursery.start(daemon.runs.run)  # runs' cgroups: leftovers (before any HELLO), freezes
                 await nursery.start(serve, daemon, listener)
                 systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
                 interval = systemd.watchdog_interval_s()

@@ -13,6 +13,7 @@ scheduler whose records disagree stops the daemon.
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -232,16 +233,19 @@ async def test_a_reaped_record_that_fails_is_skipped_and_the_others_are_reaped(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     peer = await Peer.connect(node, "runner")
-    dead = [os.getpid() + 10**6 + i for i in range(2)]  # above any live pid here, within pid_max
-    for i, pid in enumerate(dead):
-        assert isinstance(await peer.call(p.Allocate(id=0, task_id=f"t{i}", gpus=0.25, owner_pid=pid)), p.Allocated)
-    real_alive = gpud.capabilities.allocations._alive
-    monkeypatch.setattr(
-        gpud.capabilities.allocations, "_alive", lambda pid: real_alive(pid) if pid != dead[0] else 1 / 0
-    )
+    owners = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]  # its children: owners it may name
+    for i, owner in enumerate(owners):
+        assert isinstance(
+            await peer.call(p.Allocate(id=0, task_id=f"t{i}", gpus=0.25, owner_pid=owner.pid)), p.Allocated
+        )
+        owner.kill()
+        owner.wait()
+    ledger = node.daemon.allocations.ledger
+    real_release = ledger.release
+    monkeypatch.setattr(ledger, "release", lambda task, now: 1 / 0 if task == "t0" else real_release(task, now))
     node.daemon.allocations.reap(now_us())
     assert node.faults("reaper") == 1
-    assert [a.task_id for a in node.daemon.allocations.ledger.allocations()] == ["t0"]
+    assert [a.task_id for a in ledger.allocations()] == ["t0"]
 
 
 async def test_a_monitor_sample_that_fails_is_skipped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,7 @@ MAX_REPLY_BYTES = 64 * 2**20
 # daemon's loop however many allocations there are.
 ALLOCS_PAGE = 500
 ALLOCS_PAGE_MAX = 1000
+PageLimit = Annotated[int, Meta(ge=1, le=ALLOCS_PAGE_MAX)]
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 
@@ -410,7 +411,7 @@ class ListAllocations(_Msg, tag="ALLOCS", frozen=True, kw_only=True):
 
     id: RequestId
     after: TaskId | None = None
-    limit: Annotated[int, Meta(ge=1, le=ALLOCS_PAGE_MAX)] | None = None
+    limit: PageLimit | None = None
 
 
 class Yield(_Msg, tag="YIELD", frozen=True, kw_only=True):
@@ -474,6 +475,88 @@ class ListClients(_Msg, tag="CLIENTS", frozen=True, kw_only=True):
     id: RequestId
 
 
+# --- a run's program, held by gpud (gpuctl run; docs/run.md#gpuds-cgroup-cgroup) ---------------
+# Both directions in one block: a run hands gpud its program (CONTAIN), has gpud freeze and thaw the
+# program's cgroup (FREEZE, THAW), tells gpud what its signal backend caught (ESCAPED); RUNS lists
+# what the kernel says of every run's program.
+
+ProgramBackend = Literal["cgroup", "signal"]  # gpud froze it in its cgroup, or only the run stops it
+# What the kernel says of a run's program: its cgroup's ``frozen`` (cgroup), or the /proc states of
+# its tree (signal): every process stopped, some, none; gone: no process left.
+KernelState = Literal["frozen", "freezing", "running", "stopped", "partly_stopped", "gone", "unknown"]
+Escapes = Annotated[int, Meta(ge=1, le=2**31)]
+PauseName = Annotated[str, Meta(max_length=16, pattern=r"^[a-z+]*$")]  # a run's --pause backend: cuda, signal
+
+
+class Contain(_Msg, tag="CONTAIN", frozen=True, kw_only=True):
+    """A run hands gpud its program: ``pid``, the run's own descendant of the run's uid (checked by the
+    kernel's word). ``cgroup``: put it in a cgroup of gpud's, which gpud freezes and thaws (FREEZE, THAW)
+    and kills whole when the run is gone; else gpud only watches it. ``pause``: the run's own process
+    control beside it (cuda, signal, none), for gpuctl. Answered by CONTAINED."""
+
+    id: RequestId
+    pid: Pid
+    cgroup: bool = True
+    pause: PauseName = ""
+
+
+class Freeze(_Msg, tag="FREEZE", frozen=True, kw_only=True):
+    """Freeze the cgroup of this connection's program; answered by PROGRAM_STATE once the kernel says
+    it is frozen (``cgroup.events``), or when it did not freeze in time (``frozen`` false)."""
+
+    id: RequestId
+
+
+class Thaw(_Msg, tag="THAW", frozen=True, kw_only=True):
+    """Thaw the cgroup of this connection's program; answered by PROGRAM_STATE."""
+
+    id: RequestId
+
+
+class Escaped(_Msg, tag="ESCAPED", frozen=True, kw_only=True):
+    """The run's signal backend caught process ``pid`` of its paused program running (continued from
+    outside) and stopped it again; ``escapes``: the run's count so far. Answered by OK."""
+
+    id: RequestId
+    pid: Pid
+    escapes: Escapes
+
+
+class ListRuns(_Msg, tag="RUNS", frozen=True, kw_only=True):
+    id: RequestId
+
+
+class Contained(_Reply, tag="CONTAINED", frozen=True, kw_only=True):
+    id: RequestId
+    pid: int
+    backend: ProgramBackend
+    cgroup: str = ""  # its cgroup's path in the cgroup2 hierarchy, "" when it has none
+    frozen: bool = False  # adopted frozen: held again after a restart or a reconnect, as the kernel left it
+    why: str = ""  # why it has no cgroup when one was asked for
+
+
+class ProgramState(_Reply, tag="PROGRAM_STATE", frozen=True, kw_only=True):
+    id: RequestId
+    frozen: bool
+    waited_ms: float = 0.0
+
+
+class RunProgramInfo(Struct, frozen=True, kw_only=True):
+    client_id: int  # 0: no run holds it now (its run went away; killed when the grace ends)
+    pid: int
+    backend: str  # how it is paused: cgroup, cuda+cgroup, signal, cuda, none
+    cgroup: str
+    state: KernelState
+    processes: int  # in its cgroup, or in its tree
+    stopped: int  # of them, stopped (signal) or frozen (cgroup)
+    escapes: int  # reported by its run
+
+
+class RunsReply(_Reply, tag="RUNS_REPLY", frozen=True, kw_only=True):
+    id: RequestId
+    runs: list[RunProgramInfo]
+
+
 ClientMessage = Union[
     Hello,
     Attach,
@@ -502,6 +585,11 @@ ClientMessage = Union[
     SetTq,
     Status,
     ListClients,
+    Contain,
+    Freeze,
+    Thaw,
+    Escaped,
+    ListRuns,
 ]
 
 
@@ -905,6 +993,9 @@ DaemonMessage = Union[
     SchedState,
     StatusReply,
     ClientsReply,
+    Contained,
+    ProgramState,
+    RunsReply,
 ]
 
 CLIENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)  # type: ignore[attr-defined]

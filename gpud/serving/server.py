@@ -32,6 +32,7 @@ from gpud.capabilities.admin import Admin
 from gpud.capabilities.allocations import Allocations
 from gpud.capabilities.leases import Leases
 from gpud.capabilities.locks import Locks
+from gpud.capabilities.runs import Runs
 from gpud.capabilities.status import Status
 from gpud.core.errors import Refused
 from gpud.core.ledger import UNIT
@@ -97,7 +98,9 @@ class Daemon:
             lambda g: self.allocations.ledger.gpu_free(g) < UNIT,  # no walk over its tasks: STATUS stays cheap
         )
         self.handlers: dict[type, Handler] = {p.Hello: self.hello}
-        for part in (self.locks, self.leases, self.allocations, self.admin, self.status):
+        # gpuctl run's programs: their cgroups, frozen and thawed by gpud (docs/run.md)
+        self.runs = Runs(self.links, metrics, self.faults, lambda: self.config, clock, lambda: self.shutting_down)
+        for part in (self.locks, self.leases, self.allocations, self.admin, self.status, self.runs):
             self.handlers.update(part.handlers())
 
     def wake_allocations(self) -> None:
@@ -128,6 +131,7 @@ class Daemon:
         conn.greeted = True
         conn.name = msg.name
         conn.labels = dict(msg.labels)
+        self.runs.greeted(conn)
         log.info("client_attached", client=conn.client_id, pid=conn.pid, uid=conn.uid, name=conn.name)
         gpus = [
             p.GpuInfo(
@@ -160,7 +164,7 @@ class Daemon:
         one part of the cleanup does not keep the rest from running."""
         self.links.forget(conn)
         now = self.now()
-        for part in (self.locks, self.leases, self.allocations):
+        for part in (self.locks, self.leases, self.allocations, self.runs):
             try:
                 part.connection_closed(conn, now)
             except Exception as exc:
@@ -213,7 +217,9 @@ class Daemon:
 
 
 # What only a restart can change: sockets, devices, the store, the metrics endpoint.
-RESTART_KEYS = frozenset({"socket", "socket_mode", "simulate", "state_dir", "state_sync", "metrics_addr"})
+RESTART_KEYS = frozenset(
+    {"socket", "socket_mode", "simulate", "state_dir", "state_sync", "metrics_addr", "run_cgroups"}
+)
 
 
 def take_changes(running: Any, before: Any, after: Any) -> Any:

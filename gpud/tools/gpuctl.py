@@ -107,7 +107,9 @@ def _memory(s: p.SessionInfo) -> str:
     return f"{used}/{limit}{over}"
 
 
-def render_clients(reply: p.ClientsReply) -> str:
+def render_clients(reply: p.ClientsReply, programs: p.RunsReply | None = None) -> str:
+    """The clients and their sessions; runs in a table of their own, with what the kernel says of each
+    program (``programs``: gpud's RUNS answer) beside the state its run asked for."""
     rows = []
     for c in reply.clients:
         who = [str(c.client_id), c.name or "?", str(c.pid)]
@@ -151,14 +153,26 @@ def render_clients(reply: p.ClientsReply) -> str:
         sessions.extend((c, s) for s in c.sessions)
         if not c.sessions:
             sessions.append((c, None))
-    runs = [
-        [str(c.client_id), run.program_pid, run.backend, run.state, run.command]
-        for c, s in sessions
-        if (run := run_info(c, s)) is not None
-    ]
+    kernel = {r.client_id: r for r in programs.runs} if programs is not None else {}
+    runs = []
+    for c, session in sessions:
+        if (run := run_info(c, session)) is not None:
+            says = _kernel_says(kernel.get(c.client_id), run.backend)
+            runs.append([str(c.client_id), run.program_pid, *says, run.state, run.command])
+    unclaimed = [r for r in programs.runs if r.client_id == 0] if programs is not None else []
+    runs += [["-", str(r.pid), *_kernel_says(r, "?"), "unclaimed", "-"] for r in unclaimed]  # their runs are away
     if not runs:
         return table
-    return table + "\n\nRUNS\n" + _table(runs, ["CLIENT", "PROGRAM PID", "BACKEND", "STATE", "COMMAND"])
+    header = ["CLIENT", "PROGRAM PID", "BACKEND", "STATE", "ESCAPES", "ASKED", "COMMAND"]
+    return table + "\n\nRUNS\n" + _table(runs, header)
+
+
+def _kernel_says(r: p.RunProgramInfo | None, backend: str) -> list[str]:
+    """BACKEND, STATE (the kernel's word: a cgroup's frozen, or its tree's /proc states) and ESCAPES."""
+    if r is None:
+        return [backend, "?", "-"]
+    state = f"{r.state} {r.stopped}/{r.processes}" if r.state == "partly_stopped" else r.state
+    return [r.backend, state, str(r.escapes)]
 
 
 def render_leases(reply: p.LeasesReply) -> str:
@@ -263,8 +277,16 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 
 def cmd_clients(args: argparse.Namespace) -> None:
-    reply = _call(args, p.ListClients(id=0))
-    _emit(args, reply, render_clients(reply))
+    with _connect(args) as conn:
+        reply = conn.call(p.ListClients(id=conn.next_id()), timeout=10.0)
+        try:
+            programs: p.RunsReply | None = conn.call(p.ListRuns(id=conn.next_id()), timeout=10.0)
+        except ProtocolError as exc:  # a gpud from before RUNS
+            if exc.code != p.ErrorCode.UNKNOWN_TYPE:
+                raise
+            programs = None
+    runs = [] if programs is None else [msgspec.to_builtins(r) for r in programs.runs]
+    _emit(args, reply, render_clients(reply, programs), runs=runs)
 
 
 def cmd_tq(args: argparse.Namespace) -> None:

@@ -145,14 +145,14 @@ def test_a_place_is_a_run_on_the_allocation_as_gpud_run_parses_it() -> None:
     assert (opts.gpus, opts.mem_limit, opts.priority, opts.command) == (None, 2**30, 7, ["bash", "-c", "echo hi"])
 
 
-@pytest.mark.parametrize("pause", [None, "auto", "cuda", "signal"])
+@pytest.mark.parametrize("pause", [None, "auto", "cuda", "signal", "cgroup"])
 def test_a_pause_backend_or_none_is_accepted(pause: str | None) -> None:
     check_pause(pause, "here")
 
 
 @pytest.mark.parametrize("pause", ["sigstop", "", 1, True])
 def test_anything_else_is_refused_naming_the_choices(pause: object) -> None:
-    with pytest.raises(ValueError, match=r"here: pause must be one of 'auto', 'cuda', 'signal' \(or None"):
+    with pytest.raises(ValueError, match=r"here: pause must be one of 'auto', 'cuda', 'signal', 'cgroup' \(or None"):
         check_pause(pause, "here")
 
 

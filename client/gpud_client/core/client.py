@@ -55,6 +55,9 @@ Answer = (
     | p.Ok
     | p.StatusReply
     | p.ClientsReply
+    | p.Contained
+    | p.ProgramState
+    | p.RunsReply
 )
 
 
@@ -242,6 +245,9 @@ class ClientCore(SliceRules):
                 | p.Ok()
                 | p.StatusReply()
                 | p.ClientsReply()
+                | p.Contained()
+                | p.ProgramState()
+                | p.RunsReply()
             ):
                 return self._answered(msg)
             case _:

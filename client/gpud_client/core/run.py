@@ -22,6 +22,9 @@ in order, telling the core how each process-control action went.
 - The run ends with the program's exit status. A process-control failure that leaves
   the program's state unknown ends the program: it never goes on unarbitrated, and is
   never left paused for good.
+- Escapes: a process of the paused program seen running (continued from outside the
+  run: the signal backend stops it again at once) is counted and reported to gpud;
+  the ``max_escapes``-th ends the program, as one that will not stop does (0: never).
 - When gpud takes the run's allocation back (PREEMPT and the pushes after it), the rules of
   ``core/recovery.py``, a part of ``RunCore``, decide: end, checkpoint, suspend or restart
   the program. The actions of both are in ``core/run_actions.py``.
@@ -44,6 +47,7 @@ from gpud_client.core.run_actions import (
     Park,
     Pause,
     Release,
+    ReportEscape,
     Request,
     Resume,
     RunAction,
@@ -67,6 +71,7 @@ __all__ = [
     "Park",
     "Pause",
     "Release",
+    "ReportEscape",
     "Request",
     "Resume",
     "RunAction",
@@ -90,6 +95,7 @@ class RunCore(RecoveryRules):
         recovery: p.Recovery | str = p.Recovery.TERMINATE,
         on_resize: Resize = "restart",
         checkpoint_signal: int = 10,
+        max_escapes: int = 3,
     ) -> None:
         self.idle_release = idle_release
         self.signal_grace = signal_grace
@@ -107,6 +113,8 @@ class RunCore(RecoveryRules):
         self.last_park_bytes: int | None = None  # what the last park moved (the driver says)
         self.pauses = 0
         self.idle_releases = 0
+        self.max_escapes = max_escapes  # 0: never ended for escaping
+        self.escapes = 0
         self._init_recovery(recovery, on_resize, checkpoint_signal)
 
     # --- what happened -----------------------------------------------------------
@@ -252,6 +260,27 @@ class RunCore(RecoveryRules):
             return []
         self.state = "ended"
         return [EndProgram(why), Exit(CONTROL_FAILED, why)]
+
+    def escaped(self, pid: int, why: str, *, fatal: bool = False) -> list[RunAction]:
+        """Process ``pid`` of the paused tree was seen running (``why``) and stopped again; ``fatal``: it
+        could not be stopped again. Counted, reported; the ``max_escapes``-th (or a fatal one) ends it."""
+        if self.state == "ended":
+            return []
+        self.escapes += 1
+        report: list[RunAction] = [ReportEscape(pid, self.escapes)]
+        if fatal:
+            return [*report, *self.failed(f"process {pid} of the program ran while paused: {why}")]
+        if self.max_escapes and self.escapes >= self.max_escapes:
+            why = (
+                f"processes of the program ran while it was paused {self.escapes} times (continued from outside "
+                f"the run; the last: process {pid}, {why}): --max-escapes {self.max_escapes} ends it"
+            )
+            return [*report, *self.failed(why)]
+        of = f" of {self.max_escapes}" if self.max_escapes else ""
+        return [
+            *report,
+            Say(f"process {pid} of the program ran while paused ({why}); stopped again (escape {self.escapes}{of})"),
+        ]
 
     def _give_back(self, why: str) -> list[RunAction]:
         self.holding = False

@@ -93,6 +93,14 @@ class UseAllocation:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportEscape:
+    """Tell gpud (ESCAPED) that process ``pid`` of the paused program ran; ``escapes``: the run's count."""
+
+    pid: int
+    escapes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Say:
     """One line for the run's user (stderr)."""
 
@@ -113,5 +121,6 @@ RunAction = (
     | Yield
     | Allocate
     | UseAllocation
+    | ReportEscape
     | Say
 )

@@ -2,7 +2,10 @@
 interface (``base.Backend``).
 
 - ``tree``: a process tree as /proc shows it (the descendants of one root);
-- ``signals``: the ``signal`` backend, SIGSTOP and SIGCONT, for any program anywhere;
+- ``signals``: the ``signal`` backend, SIGSTOP and SIGCONT, for any program anywhere, watched for
+  escapes (a process continued from outside is stopped again and told);
+- ``cgroup``: the program's cgroup v2, frozen and thawed by whoever holds it (a ``Freezer``: for
+  ``gpuctl run``, gpud), alone or beside the ``cuda`` backend;
 - ``cuda``: the CUDA driver's checkpoint API (lock, unlock, checkpoint, restore), through one
   long-lived helper process (``cuda_helper``) with a deadline on every call; needs the
   ``gpud-client[cuda]`` extra and a driver of CUDA 12.8 or later;

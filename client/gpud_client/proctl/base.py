@@ -36,7 +36,7 @@ class Paused:
 
 
 class Backend(Protocol):
-    name: str  # "signal" or "cuda"
+    name: str  # "signal", "cuda", "cgroup" or "cuda+cgroup"
 
     @property
     def can_park(self) -> bool:

@@ -1,10 +1,12 @@
 """``gpud-run`` (and ``gpuctl run``): run an unmodified program under gpud.
 
 The program runs on a shared GPU only while the run's session holds the lock; in
-between its whole process tree is paused: through the CUDA driver's checkpoint API
-(``cuda``: lock and unlock, and park its memory in host memory when gpud needs it)
-where the driver has it, or by SIGSTOP and SIGCONT (``signal``) elsewhere. See
-docs/run.md. ``main`` is the command line; ``python -m gpud_client.run`` runs it.
+between its whole process tree is paused: frozen in a cgroup that gpud holds
+(``cgroup``) where gpud has one, through the CUDA driver's checkpoint API (``cuda``:
+lock and unlock, and park its memory in host memory when gpud needs it) where the
+driver has it (the two together: lock, then freeze), or by SIGSTOP and SIGCONT
+(``signal``, watched for escapes) elsewhere. See docs/run.md. ``main`` is the command
+line; ``python -m gpud_client.run`` runs it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gpud_client.proctl.base import Backend
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.signals import SignalBackend
 from gpud_client.run.allocation import Listener, allocate, connect, gpu_free, tree_memory
+from gpud_client.run.contain import NoCgroup, contain
 from gpud_client.run.options import CommandError, RunOptions, check_command, parse
 from gpud_client.run.supervisor import Supervisor
 from gpud_client.runinfo import run_labels
@@ -31,29 +34,51 @@ class _Fail(Exception):
     pass
 
 
-def choose_backend(opts: RunOptions, sup: Supervisor) -> Backend:
-    """The backend ``--pause`` names; ``auto`` says which it took and why. Raises _Fail when
+def choose_backend(opts: RunOptions, sup: Supervisor) -> tuple[Backend, str]:
+    """The backend ``--pause`` names for the GPU work (cuda or signal; gpud's cgroup comes later, with
+    ``contain``), and why not cuda under ``auto``; ``auto`` says when it took cuda. Raises _Fail when
     ``cuda`` was asked for and the driver cannot do it."""
     if opts.pause == "signal":
-        return SignalBackend()
+        return SignalBackend(on_escape=sup.escaped), ""
     from gpud_client.proctl.cuda import CudaBackend, CudaDriver
 
     driver = CudaDriver()
     why_not = driver.probe()
     if why_not is None:
-        if opts.pause == "auto":
+        if opts.pause != "cuda":
             sup.say("pausing with the CUDA driver's checkpoint API (cuda); SIGSTOP for processes without CUDA")
-        return CudaBackend(
+        cuda = CudaBackend(
             driver=driver,
             lock_timeout_ms=opts.lock_timeout_ms,
             gpu_free=lambda: gpu_free(sup.client, sup.session),
             tree_memory=lambda: tree_memory(sup.client, sup.session),
         )
+        return cuda, ""
     driver.close()
     if opts.pause == "cuda":
         raise _Fail(f"--pause cuda: the CUDA driver's checkpoint API is not available: {why_not}")
-    sup.say(f"pausing with SIGSTOP/SIGCONT (signal): the CUDA checkpoint API is not available: {why_not}")
-    return SignalBackend()
+    return SignalBackend(on_escape=sup.escaped), why_not  # said with what gpud's cgroup adds (_contain)
+
+
+def _contain(
+    client: Client | None, opts: RunOptions, pid: int, backend: Backend | None, why_not_cuda: str, sup: Supervisor
+) -> Backend | None:
+    """Hand the program to gpud (before it execs); the backend with gpud's cgroup where gpud has one.
+    Says what ``auto`` took. Raises _Fail for ``--pause cgroup`` without a cgroup."""
+    if client is None:
+        return backend
+    try:
+        backend, sup.containment = contain(client, opts, pid, backend, sup.escaped)
+    except NoCgroup as exc:
+        raise _Fail(str(exc)) from None
+    if backend is None or opts.pause not in ("auto", "cgroup"):
+        return backend
+    cuda = f"; the CUDA checkpoint API is not available: {why_not_cuda}" if why_not_cuda else ""
+    if sup.containment.in_cgroup:
+        sup.say(f"pausing by freezing the program's cgroup in gpud ({backend.name}): SIGCONT cannot wake it{cuda}")
+    elif backend.name == "signal":
+        sup.say(f"pausing with SIGSTOP/SIGCONT (signal){cuda}; gpud has no cgroup for it: {sup.containment.why}")
+    return backend
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
@@ -86,7 +111,7 @@ def run_program(
     exclusive = opts.whole_gpus
     suspends = opts.on_preempt == "suspend"  # whole GPUs too: a backend pauses the program, no lock
     try:
-        backend = None if exclusive and not suspends else choose_backend(opts, sup)
+        backend, why_not_cuda = (None, "") if exclusive and not suspends else choose_backend(opts, sup)
     except _Fail as exc:
         sup.say(str(exc))
         return 1
@@ -102,6 +127,7 @@ def run_program(
             allocated = allocate(client, opts, task_id, opts.wait_ms)
         if client is not None and opts.gpus is None and opts.task is not None:
             _check_joined(client, opts)
+        backend = _contain(client, opts, keeper.program_pid, backend, why_not_cuda, sup)
     except DaemonUnavailable as exc:
         sup.say(f"{exc} (start gpud, or give --on-missing run to run the program without it)")
         return _abandon(keeper, client, backend)

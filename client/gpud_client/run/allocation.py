@@ -87,6 +87,8 @@ def trace_fields(kind: str, value: Any) -> dict[str, Any]:
         return {"value": value}
     if kind == "reallocation_failed":
         return {"why": value}
+    if kind == "escape":
+        return {"pid": value.pid, "why": value.why}
     match value:
         case p.Preempt():
             return {

@@ -25,7 +25,7 @@ from gpud_client import protocol as p
 from gpud_client.argtypes import UsageError
 from gpud_client.core.recovery import Resize
 
-PAUSE_BACKENDS = ("auto", "cuda", "signal")
+PAUSE_BACKENDS = ("auto", "cuda", "signal", "cgroup")
 RECOVERIES = tuple(r.value for r in p.Recovery)
 RESIZES = ("restart", "keep")
 NOT_FOUND, NOT_EXECUTABLE = 127, 126
@@ -71,6 +71,7 @@ class RunOptions:
     idle_release: float | None = None
     signal_grace: float = 5.0
     lock_timeout_ms: int = 1000
+    max_escapes: int = 3  # the signal backend ends a program whose processes escaped a pause this often (0: never)
     on_missing: str = "error"
     trace: str | None = None
 
@@ -150,7 +151,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--pause",
         choices=PAUSE_BACKENDS,
         default="auto",
-        help="cuda: the driver's checkpoint API; signal: SIGSTOP/SIGCONT; auto (default): cuda where the driver has it",
+        help="auto (default): gpud freezes the program's cgroup where it has one, with the CUDA driver's checkpoint "
+        "API where the driver has it; cgroup: the same, but fail without a cgroup; cuda: the driver's API alone; "
+        "signal: SIGSTOP/SIGCONT alone",
+    )
+    how.add_argument(
+        "--max-escapes",
+        type=escapes_arg,
+        default=3,
+        metavar="N",
+        help="signal: end the program when its processes have run while paused (SIGCONT from outside) N times; "
+        "0: never (3)",
     )
     how.add_argument(
         "--idle-release",
@@ -202,6 +213,7 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         "pause",
         "signal_grace",
         "lock_timeout_ms",
+        "max_escapes",
         "on_missing",
         "trace",
     }
@@ -251,6 +263,7 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         idle_release=args.idle_release,
         signal_grace=args.signal_grace,
         lock_timeout_ms=args.lock_timeout_ms,
+        max_escapes=args.max_escapes,
         on_missing=args.on_missing,
         trace=args.trace,
     )
@@ -270,6 +283,13 @@ def signal_arg(text: str) -> int:
     if sig in (signal.SIGKILL, signal.SIGSTOP):
         raise argparse.ArgumentTypeError(f"{sig.name} cannot be caught: the program could not checkpoint on it")
     return int(sig)
+
+
+def escapes_arg(text: str) -> int:
+    """--max-escapes: a whole number, 0 (never end the program for escaping) up to the protocol's bound."""
+    if not text.isdigit() or int(text) > 2**31:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 def _shown(gpus: float | at.GpuRange) -> str:

@@ -44,7 +44,7 @@ from gpud_client.run.options import PAUSE_BACKENDS
 __all__ = ["PICKLERS", "CallFailed", "Pause", "Place", "call_under_run", "check_pause"]
 
 PROG = "gpud-run"
-Pause = Literal["auto", "cuda", "signal"]  # gpud-run --pause
+Pause = Literal["auto", "cuda", "signal", "cgroup"]  # gpud-run --pause
 Pickler = Literal["pickle", "dill", "ray.cloudpickle"]
 PICKLERS: tuple[Pickler, ...] = ("pickle", "dill", "ray.cloudpickle")  # the child imports nothing else
 CALL, RESULT = "call", "result"

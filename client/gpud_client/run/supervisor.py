@@ -36,6 +36,7 @@ from gpud_client.core.run import (
     Park,
     Pause,
     Release,
+    ReportEscape,
     Request,
     Resume,
     RunAction,
@@ -48,8 +49,10 @@ from gpud_client.core.run import (
 from gpud_client.errors import GpudError, LockLost
 from gpud_client.proctl.base import Backend, ControlError
 from gpud_client.proctl.keeper import Keeper
+from gpud_client.proctl.signals import Escape
 from gpud_client.proctl.tree import ProcessTree
 from gpud_client.run.allocation import PREEMPT_ENV, allocate_again, free, give_back, program_env, trace_fields
+from gpud_client.run.contain import Containment
 from gpud_client.run.options import RunOptions
 from gpud_client.run.trace import Trace
 from gpud_client.units import printable
@@ -60,8 +63,8 @@ TICK_S = 0.1  # how often a running program's activity is looked at (idle releas
 
 @dataclass(frozen=True, slots=True)
 class _Event:
-    kind: str  # granted, grant_failed, drop, lost, park, exited, signal; preempt, withdrawn, revoked,
-    # changed, reallocated, reallocation_failed
+    kind: str  # granted, grant_failed, drop, lost, park, exited, signal, escape; preempt, withdrawn,
+    # revoked, changed, reallocated, reallocation_failed
     value: Any = None
     t_ns: int = field(default_factory=time.monotonic_ns)  # when it happened (the hook ran), for --trace
 
@@ -84,8 +87,10 @@ class Supervisor:
             recovery=opts.on_preempt,
             on_resize=opts.on_resize,
             checkpoint_signal=opts.checkpoint_signal,
+            max_escapes=opts.max_escapes,
         )
         self.client: Client | None = None
+        self.containment: Containment | None = None  # the program handed to gpud (CONTAIN)
         self.session: Session | None = None
         self.keeper: Keeper | None = None
         self.tree: ProcessTree | None = None
@@ -158,6 +163,10 @@ class Supervisor:
         self.env.update(program_env(self.opts, allocated, resume=resume, socket_path=path))
         self.cpus = list(allocated.cpus)
 
+    def escaped(self, escape: Escape) -> None:
+        """The signal backend's watcher caught a process of the paused tree running (its thread)."""
+        self.events.put(_Event("escape", escape))
+
     def post(self, kind: str, value: Any = None) -> None:
         """An event for the run's loop, from any thread (the allocation listener's, say)."""
         self.events.put(_Event(kind, value))
@@ -195,6 +204,8 @@ class Supervisor:
                 return core.signalled(ev.value, now)
             case "exited":
                 return core.exited(ev.value)
+            case "escape":
+                return core.escaped(ev.value.pid, ev.value.why, fatal=ev.value.fatal)
             case "grant_failed":
                 return core.failed(f"gpud refused the program's session: {ev.value}")
             case "preempt":
@@ -301,6 +312,9 @@ class Supervisor:
                 assert self.client is not None and self.owned_task is not None
                 args = (self.client, self.opts, self.owned_task, self.post, self._stopping)
                 threading.Thread(target=allocate_again, args=args, name="gpud-run-allocate", daemon=True).start()
+            case ReportEscape(pid=pid, escapes=escapes):
+                if self.containment is not None:
+                    self.containment.escaped(pid, escapes)
             case UseAllocation(allocation=allocated, resume=resume):
                 self._use_allocation(allocated, resume=resume)
                 if self.session is not None:  # a fraction's session: on the GPU of its allocation now
@@ -322,6 +336,8 @@ class Supervisor:
                 self.say(f"could not start the program again: {exc}")
                 return 1
             self.tree = ProcessTree(self.keeper.pid)
+            if self.containment is not None:  # the new program is gpud's to hold, in a cgroup as the last was
+                self.containment.contain(self.keeper.program_pid)
         assert self.keeper is not None
         self.program_ran = True
         try:
