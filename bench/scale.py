@@ -56,6 +56,12 @@ host moved meanwhile, and ``*_drift_corrected`` divides the one by the other.
 The process and the daemons are pinned (``--placement``, default one CPU for
 all: see ``placement_cpus``).
 
+Allocations (``allocs``, bench/scale_allocs.py, whose docstring says how): ``--allocs`` N
+fractional allocations of one owner on a daemon of their own (20 000 by default, and a control
+of 10): the time to make them; ALLOCS in a loop; all of them reaped at once when their owner
+dies; a production request that must preempt among them: the longest loop turns, and a probing
+client's STATUS round trips meanwhile. ``--only sessions`` or ``--only allocs`` runs one part.
+
 Targets (the issue's): p50 at the largest N within 1.2x of p50 at the smallest,
 for locks and for leases, as measured and drift-corrected. The queued leases
 have no target.
@@ -67,7 +73,10 @@ met). It never touches a real GPU or a system daemon: it starts its own on
 temporary sockets and removes them.
 
     .venv/bin/python bench/scale.py [--json] [--sizes 10,1000,10000] [--cycles N] [--warmup N] [--queued N]
-        [--placement one-cpu|two-cpus|free]
+        [--placement one-cpu|two-cpus|free] [--only sessions|allocs] [--allocs N] [--quick]
+
+``--quick`` shrinks every default (sizes 10,100, 200 cycles, 100 queued leases, 200 allocations,
+LIST_S 0.5 s) for a run of seconds that shows the benchmark works, not a figure to quote.
 """
 
 from __future__ import annotations
@@ -90,6 +99,7 @@ from gpud_client.connection import Connection
 from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
 from harness import Run, machine_line, progress
 from percentiles import percentile
+from scale_allocs import GPUS, PER_GPU, AllocsConfig, allocs_phase, allocs_report, allocs_table, slow_turns
 
 PER_CONNECTION = 1000  # idle sessions (or queued leases) on one connection
 ANSWER_TIMEOUT_S = 60.0  # one answer; a batch of attaches on a large daemon takes a while
@@ -100,7 +110,9 @@ SLOW_TURN_MS = 1.0  # the daemons log event-loop turns longer than this (gpud.ma
 TURNS_S = 2.5  # lock cycles on the subject alone while its loop turns are watched: > 2 gauge refreshes
 DAY_MS = 86_400_000  # the protocol's largest max_wait_ms and hold_max_ms
 GROWTH_TARGET = 1.2
-DAEMON_ARGS = ("--simulate", "2", "--mode", "serial", "--log-level", "warning")
+DAEMON_ARGS = ("--simulate", str(GPUS), "--mode", "serial", "--log-level", "warning")
+PHASES = ("sessions", "allocs")  # idle sessions and queued leases (the cycles); allocations
+QUICK = {"sizes": "10,100", "cycles": 200, "warmup": 20, "queued": 100, "allocs": 200, "list_s": 0.5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +122,8 @@ class BenchConfig:
     warmup: int = 200
     queued: int = 10_000
     placement: str = "one-cpu"  # see ``placement_cpus``
+    phases: tuple[str, ...] = PHASES
+    allocs: AllocsConfig = AllocsConfig()
 
 
 # --- pure helpers -------------------------------------------------------------------
@@ -267,22 +281,6 @@ def request_ms(conn: Connection, make: Callable[[int], Any], kind: type) -> floa
     conn.send(make(rid))
     expect(conn, kind, rid)
     return (time.monotonic_ns() - t0) / 1e6
-
-
-def slow_turns(log_text: str) -> list[tuple[float, float, float]]:
-    """The event-loop turns a daemon logged as longer than SLOW_TURN_MS, in order: (wall ms, the
-    loop thread's CPU ms, of which in the garbage collector ms)."""
-    out = []
-    for line in log_text.splitlines():
-        if '"loop_turn_slow"' not in line:
-            continue
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "loop_turn_slow":
-            out.append((float(event["turn_ms"]), float(event["cpu_ms"]), float(event["gc_ms"])))
-    return out
 
 
 def rss_bytes(pid: int) -> int:
@@ -651,37 +649,75 @@ def table(r: dict[str, Any]) -> str:
         f"RSS {r['rss_mb_before']} -> {r['rss_mb_after']} MB: {r['rss_bytes_per_session']} bytes per idle "
         f"session; {r['rss_bytes_per_queued_lease']} bytes per queued lease"
     )
-    m, where = r["machine"], r["placement"]
     lines.append(
-        f"{r['cycles']} cycles after {r['warmup']} warm-up per figure, blocks of {r['block']}; placement "
-        f"{where['name']} (bench on {where['bench_cpus']}, daemons on {where['daemon_cpus']}); {machine_line(m)}"
+        f"{r['cycles']} cycles after {r['warmup']} warm-up per figure, blocks of {r['block']}; {placed_line(r)}"
     )
     return "\n".join(lines)
+
+
+def placed_line(r: dict[str, Any]) -> str:
+    where = r["placement"]
+    return (
+        f"placement {where['name']} (bench on {where['bench_cpus']}, daemons on {where['daemon_cpus']}); "
+        f"{machine_line(r['machine'])}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     ap = argparse.ArgumentParser(description="gpud's lock and lease cycles as sessions and queued leases grow.")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--sizes", default="10,1000,10000", help="idle sessions on GPU 0, ascending, comma-separated")
-    ap.add_argument("--cycles", type=int, default=BenchConfig.cycles, help="measured cycles per figure")
-    ap.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="cycles discarded first")
-    ap.add_argument("--queued", type=int, default=BenchConfig.queued, help="leases queued on GPU 1")
+    ap.add_argument("--sizes", help="idle sessions on GPU 0, ascending, comma-separated (10,1000,10000)")
+    ap.add_argument("--cycles", type=int, help=f"measured cycles per figure ({BenchConfig.cycles})")
+    ap.add_argument("--warmup", type=int, help=f"cycles discarded first ({BenchConfig.warmup})")
+    ap.add_argument("--queued", type=int, help=f"leases queued on GPU 1 ({BenchConfig.queued})")
     ap.add_argument(
         "--placement",
         default=BenchConfig.placement,
         choices=("one-cpu", "two-cpus", "free"),
         help="where this process and the daemons run (see placement_cpus)",
     )
+    ap.add_argument("--only", choices=PHASES, help="run one part: sessions (the cycles) or allocs; default both")
+    ap.add_argument("--allocs", type=int, help=f"allocations of one owner (1..{GPUS * PER_GPU}, {AllocsConfig.allocs})")
+    ap.add_argument("--quick", action="store_true", help=f"small defaults, a run of seconds: {QUICK}")
     args = ap.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    d: dict[str, Any] = (
+        {"sizes": ",".join(map(str, BenchConfig.sizes)), "cycles": BenchConfig.cycles, "warmup": BenchConfig.warmup}
+        | {"queued": BenchConfig.queued, "allocs": AllocsConfig.allocs, "list_s": AllocsConfig.list_s}
+        | (QUICK if args.quick else {})
+        | given
+    )
     try:
-        sizes = parse_sizes(args.sizes)
+        sizes = parse_sizes(d["sizes"])
         placement_cpus(args.placement, sorted(os.sched_getaffinity(0)))
     except ValueError as exc:
         ap.error(str(exc))
-    if args.cycles < 1 or args.warmup < 0 or not 1 <= args.queued <= 100_000:
+    if d["cycles"] < 1 or d["warmup"] < 0 or not 1 <= d["queued"] <= 100_000:
         ap.error("--cycles must be >= 1, --warmup >= 0, --queued 1..100000")
-    cfg = BenchConfig(sizes=sizes, cycles=args.cycles, warmup=args.warmup, queued=args.queued, placement=args.placement)
+    if not 1 <= d["allocs"] <= GPUS * PER_GPU:
+        ap.error(f"--allocs must be 1..{GPUS * PER_GPU}: fractions of a GPU on a {GPUS}-GPU node")
+    cfg = BenchConfig(
+        sizes=sizes,
+        cycles=d["cycles"],
+        warmup=d["warmup"],
+        queued=d["queued"],
+        placement=args.placement,
+        phases=PHASES if args.only is None else (args.only,),
+        allocs=AllocsConfig(allocs=d["allocs"], list_s=d["list_s"]),
+    )
     return cfg, args.json
+
+
+def sessions(cfg: BenchConfig, cpus: set[int] | None, run: Run) -> dict[str, Any]:
+    """The idle sessions' and the queued leases' phases, beside one control daemon; their report."""
+    control = Node(cfg, "control", cpus)
+    try:
+        control.grow(cfg.sizes[0])
+        grown = sizes_phase(control, cfg, cpus)
+        queued = queued_phase(control, cfg, cpus)
+    finally:
+        control.close()
+    return report(grown, queued, cfg, run.machine())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -691,20 +727,26 @@ def main(argv: list[str] | None = None) -> int:
     cpus = placement_cpus(cfg.placement, sorted(os.sched_getaffinity(0)))
     if cpus is not None:
         os.sched_setaffinity(0, cpus[0])
-    control = Node(cfg, "control", None if cpus is None else cpus[1])
-    try:
-        control.grow(cfg.sizes[0])
-        sizes = sizes_phase(control, cfg, None if cpus is None else cpus[1])
-        queued = queued_phase(control, cfg, None if cpus is None else cpus[1])
-    finally:
-        control.close()
+    daemon_cpus = None if cpus is None else cpus[1]
+    result: dict[str, Any] = {}
+    if "sessions" in cfg.phases:
+        result |= sessions(cfg, daemon_cpus, run)
+    if "allocs" in cfg.phases:
+        result |= allocs_report(
+            allocs_phase(cfg.allocs, daemon_cpus, DAEMON_ARGS), cfg.allocs, DAEMON_ARGS, SLOW_TURN_MS
+        )
     placed = {
         "name": cfg.placement,
         "bench_cpus": None if cpus is None else sorted(cpus[0]),
         "daemon_cpus": None if cpus is None else sorted(cpus[1]),
     }
-    result = report(sizes, queued, cfg, run.machine()) | {"placement": placed}
-    print(json.dumps(result) if as_json else table(result))
+    result |= {"machine": run.machine(), "placement": placed}  # the machine record: the whole run
+    if as_json:
+        print(json.dumps(result))
+        return 0
+    tables = [table(result)] if "sessions" in cfg.phases else []  # ending with the machine's line
+    tables += [allocs_table(result)] if "allocs" in cfg.phases else []
+    print("\n\n".join(tables if "sessions" in cfg.phases else [*tables, placed_line(result)]))
     return 0
 
 

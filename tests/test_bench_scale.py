@@ -1,13 +1,18 @@
-"""The pure helpers of bench/scale.py and bench/handoff.py: the daemon's TOML, blocks, sizes, placements;
-and bench/floor.py's two relays, which must speak the same protocol for their figures to compare.
+"""The pure helpers of bench/scale.py, bench/scale_allocs.py and bench/handoff.py: the daemons' TOML,
+blocks, sizes, placements, the allocations' layout and windows; bench/floor.py's two relays, which must
+speak the same protocol for their figures to compare; and scale.py's allocations run end to end, small,
+for the shape of its JSON (never a figure).
 
-bench/ is no package: the modules are loaded from their files, with bench/ on
-sys.path for their own imports (scale imports handoff, handoff imports floor and percentiles).
+bench/ is no package: the modules are loaded from their files, with bench/ on sys.path for their own
+imports (scale imports handoff and scale_allocs, handoff imports floor and percentiles).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,12 +25,19 @@ from gpud_client import protocol as p
 from gpud_client.connection import Connection
 
 RECV_TIMEOUT_S = 10.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def scale(load_bench: Callable[[str], ModuleType]) -> ModuleType:
     load_bench("handoff")
+    load_bench("scale_allocs")
     return load_bench("scale")
+
+
+@pytest.fixture
+def allocs(scale: ModuleType) -> ModuleType:
+    return sys.modules["scale_allocs"]
 
 
 def test_the_daemon_config_is_one_gpud_accepts_with_the_caps_and_policies_asked(
@@ -118,3 +130,73 @@ def test_slow_turns_are_read_from_the_daemons_log(scale: ModuleType) -> None:
     )
     assert scale.slow_turns(log) == [(2.5, 2.4, 0.0), (1.5, 1.2, 0.3)]
     assert scale.slow_turns("") == []
+
+
+def test_the_allocations_daemon_config_is_one_gpud_accepts_with_the_caps_it_has(
+    allocs: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "gpud.toml"
+    fields = set(config.Config.__struct_fields__)
+    path.write_text(allocs.allocs_toml(uid=os.getuid(), caps=20_100, fields=fields))
+    cfg = config.build(config.read_file(str(path)), {}, {})
+    assert cfg.priority_max_uids == {str(os.getuid()): 100}
+    assert cfg.reap_interval_s == allocs.REAP_INTERVAL_S
+    assert cfg.preemption_grace_s == allocs.GRACE_S
+    for key in allocs.CAP_KEYS:
+        assert key not in fields or getattr(cfg, key) == 20_100
+    assert cfg.max_connections == config.Config().max_connections  # nothing else raised
+    assert not any(key in allocs.allocs_toml(uid=0, caps=1, fields=set()) for key in allocs.CAP_KEYS)
+
+
+def test_the_layout_fills_every_gpu_so_that_a_whole_gpu_must_be_taken_back(allocs: ModuleType) -> None:
+    assert allocs.layout(10) == (True, (0, 0.999))  # production on GPU 1, the filler beside them
+    assert allocs.layout(allocs.PER_GPU) == (True, None)
+    assert allocs.layout(15_000) == (False, (1, 0.5))
+    assert allocs.layout(2 * allocs.PER_GPU) == (False, None)
+    for bad in (0, 2 * allocs.PER_GPU + 1):
+        with pytest.raises(ValueError, match="do not fit"):
+            allocs.layout(bad)
+
+
+def test_a_window_takes_every_round_trip_under_way_in_it_and_those_a_stall_held_back(allocs: ModuleType) -> None:
+    ms = 1_000_000
+    samples = [(0, 0.5), (1 * ms, 50.0), (60 * ms, 1.0), (200 * ms, 1.0)]  # (sent ns, round trip ms)
+    # The one sent before the window and answered in it counts, and stands for the 24 a client asking
+    # every 2 ms would have sent while it waited (48, 46, ... 2 ms); the one sent after the window does not.
+    figures = allocs.window(samples, 10 * ms, 100 * ms, gap_ms=2.0)
+    assert figures == {"ms_p50": 24.0, "ms_p99": 50.0, "ms_max": 50.0, "samples": 2.0}
+    # Those it stands for are only the ones that would have been sent by the window's end: 48 .. 32 ms.
+    figures = allocs.window(samples, 10 * ms, 20 * ms, gap_ms=2.0)
+    assert figures == {"ms_p50": 40.0, "ms_p99": 50.0, "ms_max": 50.0, "samples": 1.0}
+    with pytest.raises(ValueError):
+        allocs.window(samples, 300 * ms, 400 * ms)
+
+
+def test_the_allocations_run_end_to_end_gives_every_figure(allocs: ModuleType) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--only", "allocs", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert (r["allocs_n"], r["allocs_control_n"]) == (200, allocs.CONTROL)
+    figures = [
+        *("make_s", "make_us_per_alloc", "make_us_last_batch", "remake_s"),
+        *("list_ms_p50", "list_ms_p99", "list_ms_max", "list_all_ms_p50", "list_pages"),
+        *("reap_s", "reap_status_ms_p50", "reap_status_ms_p99", "reap_status_ms_max", "reap_status_samples"),
+        *("preempt_first_ms", "preempt_last_ms", "preempt_victims"),
+        *("preempt_status_ms_p50", "preempt_status_ms_p99", "preempt_status_ms_max", "preempt_status_samples"),
+    ]
+    turns = ["make_turn_ms_max", "list_turn_ms_max", "reap_turn_ms_max", "preempt_turn_ms_max"]  # None: none slow
+    for name in figures + turns:
+        for key in (f"allocs_{name}", f"allocs_{name}_control"):
+            assert key in r, key
+            assert (r[key] is None and name in turns) or r[key] >= 0, (key, r[key])
+    assert r["allocs_preempt_victims"] >= 1 and r["allocs_reap_status_samples"] >= 1
+    assert set(r["allocs_met"]) == set(r["allocs_targets"]) <= set(r)
+    assert isinstance(r["allocs_paged"], bool)
+    assert {"machine", "placement", "allocs_daemon", "allocs_settings"} <= set(r)
+    assert "sizes" not in r  # the sessions' part did not run

@@ -36,7 +36,7 @@ MAX_FRAME_BYTES = 64 * 1024
 MAX_REPLY_BYTES = 64 * 2**20
 # ALLOCS answers a page at a time: building and encoding one page stays within a few ms of the
 # daemon's loop however many allocations there are.
-ALLOCS_PAGE = 500
+ALLOCS_PAGE = 200
 ALLOCS_PAGE_MAX = 1000
 PageLimit = Annotated[int, Meta(ge=1, le=ALLOCS_PAGE_MAX)]
 _HEADER = struct.Struct(">I")

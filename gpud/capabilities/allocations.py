@@ -54,7 +54,7 @@ from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
 STORE_RETRY_US = 100_000  # a change the store refused at a deadline is tried again this much later
-REAP_BATCH = 128  # dead owners' allocations released per store write and loop turn (see reap)
+REAP_BATCH = 64  # dead owners' allocations released per store write and loop turn (see reap)
 REACH_BATCH = 1024  # tasks whose holder left looked at per loop turn (see connection_closed)
 
 
