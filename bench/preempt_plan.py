@@ -66,10 +66,9 @@ def time_planning(ledger: Ledger, now: int, need: int, strategy: PreemptStrategy
     """``advance`` timed ``runs`` times (ns) for a production request of ``need`` waiting under
     ``strategy``, and how many victims it chose. The ledger is as it was afterwards."""
     ledger.preemption = replace(ledger.preemption, strategy=strategy)
-    before = ledger.checkpoint()
     if ledger.allocate(Request("production", need, priority=100, wait_us=60_000_000), now + 1) is not None:
         raise RuntimeError("the production request fitted: there is nothing to plan")
-    waiting = ledger.checkpoint()
+    waiting = ledger.checkpoint()  # one at a time (the ledger's journal): the wait is withdrawn at the end
     samples, victims = [], set()
     try:
         for _ in range(runs):
@@ -79,7 +78,8 @@ def time_planning(ledger: Ledger, now: int, need: int, strategy: PreemptStrategy
             victims.add(sum(isinstance(e, Noticed) for e in effects))
             ledger.rollback(waiting)
     finally:
-        ledger.rollback(before)
+        ledger.rollback(waiting)
+        ledger.release("production", now + 1)  # no notice was left: nobody to cool down
     if victims != {max(victims)} or not max(victims):
         raise RuntimeError(f"planning chose {sorted(victims)} victims: it must choose the same, at least one")
     return samples, max(victims)

@@ -151,10 +151,13 @@ def crash_once(marker: str) -> dict[str, Any]:
     me = "task." + ray.get_runtime_context().get_task_id()  # the same id for every attempt
     with Client() as c:
         mine = [(a.task_id, a.owner_pid) for a in c.allocations().allocations if a.task_id.endswith(me)]
-        # An allocation owned by the dead first attempt, made after this attempt's own: the reap pass
-        # that frees it has looked at this attempt's allocation too.
+        # An allocation owned by a child of this attempt that is then killed: the reap pass that frees
+        # it has looked at the first attempt's allocation too (its owner died before). gpud takes only
+        # a live owner of this attempt's own.
         probe = f"reap-probe-{os.getpid()}"
-        c.allocate(probe, gpus=0.25, owner_pid=int(Path(marker).read_text()))
+        with subprocess.Popen(["sleep", "600"]) as child:
+            c.allocate(probe, gpus=0.25, owner_pid=child.pid)
+            child.kill()
         deadline = time.monotonic() + RAY_WAIT_S  # not eventually(): a Ray worker cannot import the tests' modules
         while probe in [a.task_id for a in c.allocations().allocations]:
             assert time.monotonic() < deadline, "no reap pass within 10 s"
