@@ -2,9 +2,11 @@
 
 Each seed builds a real daemon with its SQLite store, drives it in process with
 simulated clients, client and daemon crashes and store failures, allocations taken back
-(PREEMPT and its answers, drains, protection, crashes in the middle of a preemption), and
-checks every invariant after every event (see the module's docstring). A failing seed is
-reported with its last events and the one command that replays it exactly:
+(PREEMPT and its answers, drains, protection, crashes in the middle of a preemption),
+owner processes in a faked process table (named, refused, signalled, exiting, their pids
+reused, reaped), and checks every invariant after every event (see the module's
+docstring). A failing seed is reported with its last events and the one command that
+replays it exactly:
 
     .venv/bin/python -m tests.sim.daemon_sim --seed N
 
@@ -15,8 +17,10 @@ each). More seeds outside pytest:
 The per-scheduler simulation (tests/core/test_scheduler_sim.py) stays; this one
 covers the shell around the schedulers too. A test of eight seeds or more also fails
 when its seeds never exercised parking (asked, parked, refused, timed out, a grant
-that waited for it) or taking back (a notice, one carried out at its grace's end, a
-drain): a check that never runs proves nothing. ``--stats`` prints the thrash figures.
+that waited for it), taking back (a notice, one carried out at its grace's end, a
+drain) or owner processes (one refused, an owner told by SIGTERM, a dead owner's
+allocation reaped): a check that never runs proves nothing. ``--stats`` prints the
+thrash figures.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ SEEDS = int(os.environ.get("GPUD_SIM_SEEDS", "64"))  # x DEFAULT_STEPS (400) ste
 TESTS = 8
 CHUNK = max(1, -(-SEEDS // TESTS))  # seeds per test, so a failure names its range and the rest still run
 # What eight seeds always do (the default run: each test's seeds do each parking one at least 9 times,
-# and give at least 10 notices, 4 carried out at the grace's end, 2 drains).
+# and give at least 10 notices, 4 carried out at the grace's end, 2 drains; refuse 20 owner pids, SIGTERM
+# 2 owners, reap 7 dead owners' allocations).
 EXERCISED_FROM = 8
 EXERCISED = (
     "parks asked",
@@ -46,6 +51,9 @@ EXERCISED = (
     "preempt notices",
     "preemptions carried out (grace over)",
     "GPUs drained",
+    "owner pids refused",
+    "owners signalled (SIGTERM)",
+    "allocations reaped (owner exited)",
 )
 
 

@@ -211,11 +211,14 @@ class Allocations(Part):
             if msg.owner_pid is not None:
                 owner = self._claim_owner(conn, msg)
         try:
-            return self._allocate(conn, msg, now, priority, existing, suspended, rejoin, owner)
+            answer = self._allocate(conn, msg, now, priority, existing, suspended, rejoin, owner)
         except BaseException:
             if owner is not None:
                 self.owners.unused(owner)
             raise
+        if not fresh and msg.owner_pid == conn.pid and self.owners.owner(msg.task_id) is None:
+            self._claim_again(conn, msg.task_id)
+        return answer
 
     def _allocate(
         self,
@@ -294,6 +297,18 @@ class Allocations(Part):
                 "max_allocation_records_per_uid",
                 f"uid {uid} already has {records} records in the store (allocations, waits, preemption history)",
             )
+
+    def _claim_again(self, conn: ClientLink, task_id: str) -> None:
+        """A client that was given its task again (after a restart that could not hold its owner: /proc
+        hidden from gpud) and named itself as the owner it was: held again, as the kernel vouches for it."""
+        held = self.ledger.get(task_id) or self._suspended(task_id)
+        if held is None or held.owner_pid != conn.pid:
+            return
+        try:
+            owner = self.owners.claim(conn.pid, conn.uid, conn.pid)
+        except Refused:
+            return
+        self.owners.attach(task_id, owner)
 
     def _claim_owner(self, conn: ClientLink, msg: p.Allocate) -> Held:
         """The owner process the request names, held; refused unless the caller may name it."""
@@ -502,6 +517,7 @@ class Allocations(Part):
             self.signalled.add(a.task_id)  # no one holds it: its owner is told as Kubernetes tells a pod
 
     def _withdrawn(self, e: Withdrawn, now: int) -> None:
+        self.signalled.discard(e.allocation.task_id)  # its owner was told to leave: now it stays
         log.info("allocation_preempt_withdrawn", task_id=e.allocation.task_id, by=e.notice.by)
         if (conn := self.holders.get(e.allocation.task_id)) is not None:
             self.links.send(conn, p.PreemptWithdrawn(task_id=e.allocation.task_id))
@@ -600,6 +616,8 @@ class Allocations(Part):
         batch = [self._reaping.popleft() for _ in range(min(REAP_BATCH, len(self._reaping)))]
         held = []
         for task_id in batch:  # a wait (rare) is withdrawn on its own, with its own store write
+            if self.owners.alive(task_id):
+                continue  # its owner asked for it again meanwhile (see _claim_again)
             if self.ledger.get(task_id) or self._suspended(task_id):
                 held.append(task_id)
             elif task_id in self.waiters or any(r.task_id == task_id for r in self.ledger.waiting()):
@@ -796,7 +814,7 @@ class Allocations(Part):
             if owner is not None and (t in put or t in self.waiters):
                 self.owners.attach(t, owner)
         for t in [*put, *delete]:
-            if not self._holds_or_waits(t):
+            if not self._holds_or_waits(t) and t not in self.signalled:  # (SIGKILLed at its grace's end)
                 self.owners.detach(t)  # nothing of it holds devices or waits any more
                 self.owners.forget_uid(t)
 

@@ -52,6 +52,8 @@ class TaskOwners:
         self._held: dict[str, Held] = {}  # task id -> its owner process
         self._tasks: dict[Held, set[str]] = {}  # a held process -> the tasks it owns
         self._by_pid: dict[int, Held] = {}
+        self._starts: dict[str, int] = {}  # task id -> its owner's start time, held or not (the store's)
+        self._orphans: set[str] = set()  # restored tasks whose owner was gone: for the next reap
 
     # --- uids and counts ------------------------------------------------------
 
@@ -119,20 +121,35 @@ class TaskOwners:
 
     def restore(self, task_id: str, pid: int, uid: int, start: int | None) -> None:
         """Hold again, after a restart, the owner a stored record names: only the process that
-        has its stored start time, or (no start time stored) one of the record's uid."""
+        has its stored start time, or (no start time stored) one of the record's uid. An owner that
+        is gone, or whose pid another process has now, is an orphan: the next reap takes the task
+        back. One that exists but cannot be told apart (/proc hidden from gpud) is not held: it is
+        never signalled, and held again when it asks for its allocation again (``claim``)."""
+        if start is not None:
+            self._starts[task_id] = start
         held = self._by_pid.get(pid)
         if held is None or not held.alive():
             facts = self.host.read_facts(pid)
-            if facts is None or facts.kthread or pid <= 1 or pid == self.daemon_pid:
-                return  # gone: the reaper takes the allocation back
+            if facts is None:
+                probe = self.host.hold(pid, None) if pid > 1 and pid != self.daemon_pid else None
+                if probe is None:
+                    self._orphans.add(task_id)  # no such process
+                else:
+                    probe.close()
+                return
+            if facts.kthread or pid <= 1 or pid == self.daemon_pid:
+                self._orphans.add(task_id)
+                return
             held = self.host.hold(pid, facts)
             if held is None:
+                self._orphans.add(task_id)
                 return
             held.uid = facts.ruid if uid not in (facts.ruid, facts.suid) else uid
         if (held.start != start) if start is not None else (held.uid != uid):
             if held not in self._tasks:
                 held.close()
-            return  # its pid was reused (a later start), or another uid's process has it
+            self._orphans.add(task_id)  # its pid was reused (a later start), or another uid's process has it
+            return
         self.attach(task_id, held)
 
     def attach(self, task_id: str, held: Held) -> None:
@@ -142,8 +159,13 @@ class TaskOwners:
         self._held[task_id] = held
         self._tasks.setdefault(held, set()).add(task_id)
         self._by_pid[held.pid] = held
+        if held.start is not None:
+            self._starts[task_id] = held.start
+        self._orphans.discard(task_id)
 
     def detach(self, task_id: str) -> None:
+        self._starts.pop(task_id, None)
+        self._orphans.discard(task_id)
         held = self._held.pop(task_id, None)
         if held is None:
             return
@@ -164,8 +186,8 @@ class TaskOwners:
         return self._held.get(task_id)
 
     def start_of(self, task_id: str) -> int | None:
-        held = self._held.get(task_id)
-        return None if held is None else held.start
+        """The owner's start time the store keeps for ``task_id`` (also while it is not held)."""
+        return self._starts.get(task_id)
 
     def owned_by(self, pids: list[int]) -> list[set[str]]:
         """For each of ``pids`` (a session's process and its ancestors), the tasks it owns alive."""
@@ -180,8 +202,10 @@ class TaskOwners:
         return held is not None and held.alive()
 
     def orphaned(self) -> list[str]:
-        """Tasks whose owner process has exited (one poll over every held process)."""
-        return [t for h in self.host.dead(self._tasks) for t in sorted(self._tasks.get(h, ()))]
+        """Tasks whose owner process has exited (one poll over every held process), and restored
+        ones whose owner was gone."""
+        dead = [t for h in self.host.dead(self._tasks) for t in sorted(self._tasks.get(h, ()))]
+        return sorted(self._orphans) + dead  # (an orphan stays one until its task lets go: ``detach``)
 
     def signal(self, task_id: str, sig: signal.Signals, why: str) -> bool:
         """Signal ``task_id``'s owner, if gpud holds it; logged and counted."""

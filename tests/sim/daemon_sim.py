@@ -15,9 +15,23 @@ wait (requests that may take others' allocations back), yield, run admin operati
 crash; the daemon itself crashes, often while a preemption runs (its objects are dropped without a word, the
 store is closed, a new ``Daemon`` is built on the same state directory with the
 restart grace) or restarts gracefully (GOODBYE); the store's ``write`` fails now
-and then. Time moves the way the shell's timers move it: to every scheduler and
+and then.
+
+Processes are a table of the simulation's (``tests/sim/procs.py``), the daemon's kernel: each
+client is a process (under a login shell of its uid, sometimes), with children; init, a kernel
+thread and a process standing for gpud itself are there too (as is, in some seeds, a /proc that
+hides everything). An ALLOCATE names an ``owner_pid`` now and then (``notify`` off more often
+then, so that gpud signals the owner rather than pushing PREEMPT): the client's own process, its
+child or shell, a sibling, a setuid child, another uid's process, another login session of its
+uid, init, gpud, a kernel thread, a process that exited, a pid that a new process took, a pid
+nobody has; an admin adds ``owner_any_uid`` (and so, refused, does anyone else). Owners exit (a
+client's crash takes its process, sometimes its children), exit on gpud's SIGTERM now and then,
+and a dead owner's pid is taken by a new process (of its uid, often). The reaper runs every
+``reap_interval_s`` (drawn; 0 in some seeds: never).
+
+Time moves the way the shell's timers move it: to every scheduler and
 ledger deadline in order (``carry_out(slot, advance(now))``,
-``allocator.advance(now)``), and to the moments simulated clients act.
+``allocator.advance(now)``), to the reaper's rounds, and to the moments simulated clients act.
 
 Clients are models of what a process believes: its sessions (idle, waiting,
 holding which grant, dropped when), its leases, its outstanding requests and when
@@ -90,6 +104,17 @@ After every event (one request, one timer expiry, one client action, one crash)
   GPU gets no new allocation, session or lease, and every allocation on it that someone
   holds is told once the timer has run; no victim gets more notices than the simulated
   time / preemption_cooldown + 2 (the thrash figures are printed at the end of a run);
+- owners (``check_owners``, ``judge_signal``): an ALLOCATE naming an owner is refused
+  (permission_denied, naming why) exactly when the rules say (never init, gpud or a kernel thread;
+  the caller's uid is the target's real or saved uid unless an admin says owner_any_uid; the
+  caller, an ancestor of its uid or a descendant of one of those; where /proc shows nothing, only
+  the caller); the daemon holds exactly the process each task was allocated for (after a
+  restart too, never a process that took its pid), and the store keeps its start time; the
+  allocations someone can be told of are those held by a connection or by a live owner; every
+  signal is delivered, at that moment, to the held owner (pid and start) of an allocation of the
+  signal's task, of its uid (unless an admin named it with owner_any_uid), never to init, gpud or
+  a kernel thread: SIGTERM for a whole notice nobody holds, SIGKILL at that notice's end; an
+  allocation whose owner exited is released within ``reap_interval_s`` (its wait answered);
 - every request is answered exactly once, every push names something the client
   has, and the daemon counted no fault.
 
@@ -102,6 +127,8 @@ command that replays it exactly::
     .venv/bin/python -m tests.sim.daemon_sim --seed N [--steps S] [--verbose]
     .venv/bin/python -m tests.sim.daemon_sim --seeds N [--stats]   # seeds 0..N-1
     .venv/bin/python -m tests.sim.daemon_sim --seeds N --strict    # the known daemon bugs fail too
+    .venv/bin/python -m tests.sim.daemon_sim --seeds N --churn     # owners exit, pids are reused, gpud
+                                                                   # crashes, all far more often (CHURN)
 
 Determinism: everything random comes from the seed; the ledger's generator and the
 arbiter's lease id prefix (the daemon's two random sources) are set from it; the
@@ -120,6 +147,7 @@ import itertools
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -133,11 +161,14 @@ import msgspec
 import structlog
 import trio
 
+from gpud.capabilities import allocations as allocations_module
 from gpud.capabilities.allocations import STORE_RETRY_US
 from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
-from gpud.core.ledger import UNIT, Insufficient
+from gpud.core.ledger import UNIT, Insufficient, recovery_told
 from gpud.host.config import Config, PolicyConfig, TenantConfig
+from gpud.host.owners import TaskOwners
+from gpud.host.procs import Signals
 from gpud.host.store import Store, StoreError
 from gpud.serving.connections import handle_payload
 from gpud.serving.server import Daemon
@@ -149,6 +180,8 @@ try:
     from inprocess import Node  # run by pytest: tests/ is on the path
 except ImportError:  # python -m tests.sim.daemon_sim, from the repository root
     from tests.inprocess import Node
+
+from .procs import Proc, Table
 
 DEFAULT_STEPS = 400
 TRACE_LINES = 30
@@ -175,8 +208,20 @@ ADMIN_KINDS = ("SET_MODE", "SET_TQ", "SCHED_ON", "SCHED_OFF", "SET_POLICY", "RES
 # Daemon bugs the checks let pass until they are fixed, each counted as "known bug: ..." in the
 # stats; ``--strict`` (or ``run_seed(strict=True)``) fails on them instead.
 # (The two the parking checks found first, a PARK before its ATTACHED and PARKs asked for a lease
-# that leaves at once, are fixed: their checks now always fail.)
+# that leaves at once, are fixed: their checks now always fail; so are the two the owner checks
+# found first, no SIGKILL at the grace's end and an owner that exited while gpud was down never
+# reaped.)
 KNOWN_BUGS: set[str] = set()
+# What an ALLOCATE names as its owner process, and how often (see ``World.draw_owner``).
+OWNER_WEIGHTS = [
+    ("own", 6), ("child", 4), ("grandchild", 0.5), ("shell", 1), ("sibling", 1), ("setuid child", 0.5),
+    ("dropped child", 0.5), ("another uid", 2), ("another session", 1), ("init", 0.4), ("gpud", 0.4),
+    ("kernel thread", 0.4), ("exited", 1), ("reused", 1), ("nobody", 0.4),
+]  # fmt: skip
+OWNER_KINDS = [k for k, _ in OWNER_WEIGHTS]
+# ``--churn``: the steps' weights that change, so that the paths through a restart with owners that
+# exited and pids that were reused (few in a default run) come up in a few hundred seeds.
+CHURN = {"crash_daemon": 3, "owner_exits": 4, "pid_reuse": 4, "restart_daemon": 1, "allocate": 10}
 # How late a preemption or a wait may end while the allocations' timer tries again a change the store
 # refused (each try STORE_RETRY_US later; 25 failed writes in a row do not happen).
 MAX_LATE_US = 25 * STORE_RETRY_US
@@ -263,6 +308,8 @@ class Client:
     early_parks: dict[int, int] = field(default_factory=dict)  # PARKs for sessions not yet ATTACHED (known bug)
     alloc_intents: list[p.Allocate] = field(default_factory=list)  # ALLOCATEs to send again after a reconnect
     alive: bool = True  # False: the process is gone for good
+    proc: Proc | None = None  # its process now (``pid``), in the world's process table
+    shell: Proc | None = None  # the login shell it was started from (None: started by init)
 
     @property
     def gid(self) -> int:
@@ -328,12 +375,14 @@ class Acked:
     withdrawn: int = 0  # of those, withdrawn
     rested_until: int = 0  # a notice withdrawn because its waiter gave up: not chosen again before then
     changed: int = 0  # its last elastic change (or resume): it grows again elastic_cooldown after
+    owner_pid: int | None = None  # as asked (a term)
+    owner: OwnerM = field(default_factory=lambda: OwnerM())
 
     @property
     def terms(self) -> tuple[Any, ...]:
-        """What a repeat must ask for again (the ledger's ``_terms``, owner pids aside: never set here)."""
+        """What a repeat must ask for again (the ledger's ``_terms``)."""
         gpus = self.gpus_min * UNIT if self.gpus_min else self.share * len(self.gpus)
-        return (gpus, len(self.cpus), self.tenant, self.priority, self.on_preempt, self.gpus_max)
+        return (gpus, len(self.cpus), self.tenant, self.priority, self.on_preempt, self.gpus_max, self.owner_pid)
 
     @property
     def extras(self) -> tuple[int, ...]:
@@ -342,7 +391,7 @@ class Acked:
     def again(self, rid: int, *, wait_ms: int = 0, existing: bool = False) -> p.Allocate:
         """The ALLOCATE that asks for this allocation again (a runner that reconnects: ``existing``,
         only the allocation it holds; or one that starts the task again)."""
-        gpus, cpus, tenant, priority, on_preempt, gpus_max = self.terms
+        gpus, cpus, tenant, priority, on_preempt, gpus_max, owner_pid = self.terms
         return p.Allocate(
             id=rid,
             task_id=self.task_id,
@@ -354,6 +403,8 @@ class Acked:
             on_preempt=on_preempt,
             gpus_max=gpus_max or None,
             existing=existing,
+            owner_pid=owner_pid,
+            owner_any_uid=self.owner.any_uid,
         )
 
 
@@ -366,6 +417,31 @@ class Ghost:
     terms: tuple[Any, ...]  # as ``Acked.terms`` says them
     earliest: int  # it does not expire before (its wait_ms from when it was asked)
     answer_by: int  # it ends by then (served or expired), its victims' grace included
+    owner: OwnerM = field(default_factory=lambda: OwnerM())
+
+
+@dataclass(eq=False)
+class OwnerM:
+    """A task's owner process as the model knows it: the process its ALLOCATE named (None: none), whether
+    the daemon holds it now (from the claim on; after a restart only if it still runs), whether the
+    daemon counts the task reachable through it (as of the last time it asked: ``Allocations._reach``),
+    and the notice whose SIGTERM it got from this daemon (``Allocations.signalled``)."""
+
+    proc: Proc | None = None
+    any_uid: bool = False  # named by an admin with owner_any_uid
+    held: bool = False
+    reach: bool = False
+    termed: int | None = None  # the issue time of the notice it got SIGTERM for
+    killed: int | None = None  # when it got SIGKILL
+    orphan_at: int | None = None  # a restarted daemon found it gone (or its pid another's): reaped next
+
+    def reapable(self) -> bool:
+        """Its process exited, and the daemon knows: it held it, or found it gone at a restart."""
+        return self.proc is not None and not self.proc.alive and (self.held or self.orphan_at is not None)
+
+    def alive(self) -> bool:
+        """The daemon holds it and it runs."""
+        return self.held and self.proc is not None and self.proc.alive
 
 
 @dataclass(eq=False)
@@ -416,7 +492,8 @@ def draw_config(rng: random.Random, state_dir: str) -> Config:
         ),
     }
     return Config(
-        state_dir=state_dir, metrics_addr="off", admin_group="", reap_interval_s=0,
+        state_dir=state_dir, metrics_addr="off", admin_group="",
+        reap_interval_s=rng.choice([0, 0.02, 0.05, 0.1, 0.3]),  # 0: dead owners' allocations are never reclaimed
         simulate=rng.choice(["1x16GiB", "2x16GiB", "2x16GiB", "3x8GiB"]),
         mode=rng.choice(list(p.Mode)),
         tq_s=rng.choice([0.01, 0.03, 0.1]),
@@ -464,7 +541,7 @@ def asked_priority(m: p.Allocate) -> int:
 def asked_terms(m: p.Allocate) -> tuple[Any, ...]:
     """An ALLOCATE's terms, as ``Acked.terms`` says them."""
     gpus = round(m.gpus * UNIT)
-    return (gpus, m.cpus, m.tenant, asked_priority(m), m.on_preempt, m.gpus_max or 0)
+    return (gpus, m.cpus, m.tenant, asked_priority(m), m.on_preempt, m.gpus_max or 0, m.owner_pid)
 
 
 @contextlib.contextmanager
@@ -477,6 +554,25 @@ def fixed_cpus(n: int) -> Iterator[None]:
         yield
     finally:
         os.sched_getaffinity = real
+
+
+@contextlib.contextmanager
+def kernel(table: Table) -> Iterator[None]:
+    """The daemon builds its ``TaskOwners`` at construction, and re-holds the owners of the records
+    it restores right there: give it ``table`` as its kernel (``TaskOwners.host``), and the pid of
+    the table's gpud process as its own."""
+
+    def owners(signals: Signals) -> TaskOwners:
+        o = TaskOwners(signals, table)  # type: ignore[arg-type]  # the Procs surface, duck-typed
+        o.daemon_pid = table.daemon.pid
+        return o
+
+    real = allocations_module.TaskOwners
+    allocations_module.TaskOwners = owners  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        allocations_module.TaskOwners = real  # type: ignore[misc]
 
 
 @contextlib.contextmanager
@@ -543,8 +639,10 @@ def overlap(intervals: list[list[Any]], lo: int, hi: int, now: int) -> int:
 
 
 class World:
-    def __init__(self, seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, strict: bool = False) -> None:
-        self.seed, self.steps, self.verbose, self.strict = seed, steps, verbose, strict
+    def __init__(
+        self, seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, strict: bool = False, churn: bool = False
+    ) -> None:
+        self.seed, self.steps, self.verbose, self.strict, self.churn = seed, steps, verbose, strict, churn
         self.rng = random.Random(seed)
         self.now = START_US
         self.step_no = 0
@@ -553,9 +651,18 @@ class World:
         self.trace: deque[tuple[int, int, str, tuple[Any, ...]]] = deque(maxlen=TRACE_LINES)
         self.state_dir = tempfile.mkdtemp(prefix=f"gpud-sim-{seed}-", dir=scratch_root())
         self.config = draw_config(self.rng, self.state_dir)
+        # The processes of this host; the daemon's kernel. Its /proc hides everything in some seeds.
+        self.table = Table(self.clock, hidden=self.rng.random() < 0.08, daemon_uid=ADMIN_UID)
+        self.table.on_signal = self.judge_signal
+        self.reap_us = round(self.config.reap_interval_s * 1e6)
+        self.next_reap = START_US  # the allocations' timer reaps when it starts, then every reap_interval_s
+        self.reaps_now = False  # the reaper ran in this event
+        self.signalling: tuple[str, str] | None = None  # (task id, why) of the signal gpud sends now
+        self.broken = ""  # a failure found inside a call into the daemon
+        self.writes = 0  # the daemon's store writes (tried) so far
         self.dt_us = round(self.config.drop_timeout_s * 1e6)
         self.pt_us = round(self.config.park_timeout_s * 1e6)
-        self._stored: tuple[Any, int, dict[str, Any]] | None = None  # see stored_allocations
+        self._stored: tuple[Any, int, dict[str, Any], dict[str, int]] | None = None  # see stored_allocations
         self._placed: Any = None  # see check_allocations
         self.store_fail_p = self.rng.choice([0.0, 0.0, 0.05, 0.25])
         self.codec = p.daemon_codec()
@@ -653,11 +760,13 @@ class World:
         )
 
     def build_daemon(self, grace_us: int) -> Daemon:
-        with fixed_cpus(SIM_CPUS):  # the in-process daemon of tests/inprocess.py, on this world's clock
+        with fixed_cpus(SIM_CPUS), kernel(self.table):  # the in-process daemon of tests/inprocess.py, on this world
             d = Node(
                 self.config.simulate or "1", config=self.config, clock=self.clock, restart_grace_us=grace_us
             ).daemon
+        assert d.allocations.owners.host is self.table
         self.daemon_runs += 1
+        self.next_reap = self.now
         # The two random sources of a daemon, made replayable: the "random" placement strategy and
         # the prefix of lease ids (which only has to differ between daemon runs).
         d.allocations.ledger._rng.seed(self.seed * 1000 + self.daemon_runs)
@@ -665,6 +774,7 @@ class World:
         real_write = d.allocations.store.write
 
         def write(*args: Any, **kwargs: Any) -> None:
+            self.writes += 1
             if self.store_fail_p and self.rng.random() < self.store_fail_p:
                 self.injected += 1
                 self.stats["store writes failed (injected)"] += 1
@@ -680,6 +790,24 @@ class World:
             real_record(where, exc, **context)
 
         d.faults.record = record  # type: ignore[method-assign]
+        signals = d.allocations.owners.signals
+        real_send = signals.send
+
+        def send(held: Any, sig: signal.Signals, *, task_id: str, why: str) -> bool:
+            self.signalling = (task_id, why)  # what judge_signal is told, should the table deliver it
+            try:
+                return real_send(held, sig, task_id=task_id, why=why)
+            finally:
+                self.signalling = None
+
+        signals.send = send  # type: ignore[method-assign]
+        real_reap = d.allocations.reap
+
+        def reap(now: int) -> None:
+            self.reaps_now = True
+            real_reap(now)
+
+        d.allocations.reap = reap  # type: ignore[method-assign]
         real_wake = d.allocations.wake
 
         def wake() -> None:  # the allocations' timer task wakes and ticks at once (after this event)
@@ -763,6 +891,10 @@ class World:
         self.closed_conns.append(conn)
         if crashed:
             c.alive = False
+            self.exits(c.proc, "its client crashed")
+            if self.rng.random() < 0.3:  # the whole process group
+                for child in self.table.children(c.proc):
+                    self.exits(child, "its parent's group was killed")
 
     def forget_connection(self, c: Client, *, keep_intents: bool) -> None:
         c.intents = (
@@ -790,6 +922,7 @@ class World:
         held = [a for a in (*self.acked.values(), *self.suspended.values()) if a.holder is c.conn]
         for a in held:
             a.holder = None
+            a.owner.reach = a.owner.alive()  # (Allocations.connection_closed: _reach)
         for q in self.waits_of(c):
             self.wait_ended(c, q)
         waits = [q.msg for q in self.waits_of(c)]
@@ -1117,11 +1250,18 @@ class World:
                 listed = sorted((a.task_id, a.state == p.AllocState.SUSPENDED) for a in msg.allocations)
                 model = sorted([(t, False) for t in self.acked] + [(t, True) for t in self.suspended])
                 self.expect(listed == model, c, pend, msg, f"acknowledged (task, suspended): {model}")
-                waiting = sorted(
-                    [t for q in self.all_pending("ALLOCATE") if q.deadline is not None for t in [q.msg.task_id]]
-                    + list(self.ghosts)
+                waits = [q for q in self.all_pending("ALLOCATE") if q.deadline is not None]
+                waiting = sorted([q.msg.task_id for q in waits] + list(self.ghosts))
+                # (a wait past its deadline, while the timer tries a store write again, may end in the listing's
+                # own run of the deadlines: its answer reaches its client after this one)
+                due = {q.msg.task_id for q in waits if q.deadline is not None and q.deadline <= self.now}
+                self.expect(
+                    set(msg.waiting) <= set(waiting) and set(waiting) - set(msg.waiting) <= due,
+                    c,
+                    pend,
+                    msg,
+                    f"waiting: {waiting}",
                 )
-                self.expect(sorted(msg.waiting) == waiting, c, pend, msg, f"waiting: {waiting}")
                 self.expect(msg.draining == sorted(self.draining), c, pend, msg, f"draining {sorted(self.draining)}")
             case p.LeasesReply():
                 held = sorted(lease.lease_id for x in self.clients for lease in x.leases.values())
@@ -1434,6 +1574,21 @@ class World:
             expected = info["expected"]
             if expected is not None:
                 self.expect(msg.code == expected, c, pend, msg, f"expected {expected}")
+                self.expect(info["why"] in msg.message, c, pend, msg, f"expected a refusal that says {info['why']!r}")
+                if info["why"]:
+                    self.stats[f"owner pids refused ({info['why']})"] += 1
+                    self.stats["owner pids refused"] += 1
+            elif msg.code == p.ErrorCode.INSUFFICIENT and "owner process exited" in msg.message:
+                owner: OwnerM = info["owner"]
+                self.expect(
+                    pend.deadline is not None and self.reaps_now and owner.reapable(),
+                    c,
+                    pend,
+                    msg,
+                    f"the reaper ends a wait whose owner ({owner.proc}) exited, nothing else",
+                )
+                self.wait_ended(c, pend)
+                self.stats["allocation waits ended by the reaper (owner exited)"] += 1
             elif msg.code == p.ErrorCode.INSUFFICIENT:
                 self.expect(m.task_id not in self.acked, c, pend, msg, "it is allocated: the same answer again")
                 if pend.deadline is not None:
@@ -1473,17 +1628,19 @@ class World:
             self.answered_again(c, pend, msg, before)
             return
         self.expect(not info["suspended"], c, pend, msg, "a suspended allocation is answered as it is")
-        got, why = self.made(c.uid, msg, m)
+        got, why = self.made(c.uid, msg, m, info["owner"])
         self.expect(not why, c, pend, msg, why)
         got.holder = c.conn if m.notify else None
+        got.owner.reach = got.owner.alive()  # (Allocations._hold: reachable through its owner while it runs)
+        self.stats["allocations with an owner process"] += got.owner.held
         self.ghosts.pop(m.task_id, None)  # a wait restored after a restart, served as its client asked again
 
-    def made(self, uid: int, msg: p.Allocated, m: p.Allocate | Ghost) -> tuple[Acked, str]:
+    def made(self, uid: int, msg: p.Allocated, m: p.Allocate | Ghost, owner: OwnerM) -> tuple[Acked, str]:
         """A new allocation, answered or found served: the model's record of it, and what is wrong
         with it ("" when it is what ``m`` asked for; only then is it recorded)."""
         share = round(msg.share * UNIT)
         terms = asked_terms(m) if isinstance(m, p.Allocate) else m.terms
-        want, cpus, tenant, priority, on_preempt, gpus_max = terms
+        want, cpus, tenant, priority, on_preempt, gpus_max, owner_pid = terms
         got = Acked(
             msg.task_id,
             uid,
@@ -1500,6 +1657,8 @@ class World:
             msg.preemptions,
             msg.resume,
             changed=self.now,
+            owner_pid=msg.owner_pid,
+            owner=owner,
         )
         if gpus_max:
             shape = want // UNIT <= len(got.gpus) <= gpus_max and share == UNIT and got.gpus_min == want // UNIT
@@ -1517,8 +1676,14 @@ class World:
             why = f"placed on a draining GPU (draining: {sorted(self.draining)})"
         elif not (len(got.cpus) == cpus == len(set(got.cpus)) and all(0 <= x < SIM_CPUS for x in got.cpus)):
             why = "the CPU cores asked for"
-        elif (got.tenant, got.priority, got.on_preempt, got.gpus_max) != (tenant, priority, on_preempt, gpus_max):
-            why = "the terms asked for (tenant, priority, on_preempt, gpus_max)"
+        elif (got.tenant, got.priority, got.on_preempt, got.gpus_max, got.owner_pid) != (
+            tenant,
+            priority,
+            on_preempt,
+            gpus_max,
+            owner_pid,
+        ):
+            why = "the terms asked for (tenant, priority, on_preempt, gpus_max, owner_pid)"
         elif msg.state != p.AllocState.RUNNING:
             why = "a new allocation runs"
         elif (got.preemptions, got.resume) != history:
@@ -1560,6 +1725,7 @@ class World:
             msg,
             f"preemptions / resume / protected {(before.preemptions, before.resume, before.protected)}",
         )
+        before.owner.reach = before.owner.alive()  # (Allocations._hold)
         if pend.msg.notify:
             before.holder = c.conn
             if n is not None:
@@ -1621,12 +1787,14 @@ class World:
         self.waits_ended_now.add(q.msg.task_id)
         if q.info.get("victims"):
             terms = asked_terms(q.msg)
-            self.unstored_waits[q.msg.task_id] = Ghost(q.msg.task_id, c.uid, terms, q.info["earliest"], q.deadline or 0)
+            self.unstored_waits[q.msg.task_id] = Ghost(
+                q.msg.task_id, c.uid, terms, q.info["earliest"], q.deadline or 0, q.info["owner"]
+            )
 
     def behind(self) -> bool:
         """The daemon knows its store does not hold all its changes yet (a withdrawal it could not store)."""
-        alloc = self.daemon.allocations
-        return bool(alloc._written != alloc.ledger.records())
+        put, gone = self.daemon.allocations.ledger.changed_records()  # changed since the store took the last
+        return bool(put or gone)
 
     def waits_of(self, c: Client) -> list[Pending]:
         return [q for q in c.pending.values() if q.kind == "ALLOCATE" and q.deadline is not None]
@@ -1661,10 +1829,17 @@ class World:
         if a.notice is not None:
             self.fail(f"client {c.cid} got {short(msg)} while the notice of {a.notice.issued} runs")
         n = NoticeM(msg.reason, tuple(msg.gpus), msg.whole, msg.by, self.now, self.now + self.grace_us)
+        self.noticed(a, n, msg, f"client {c.cid} got {short(msg)}")
+        self.react(c, a, n)
+        if self.rng.random() < 0.1:  # gpud dies while the notice runs
+            self.later(self.now + self.rng.randrange(0, max(1, self.grace_us)), "crash")
+
+    def noticed(self, a: Acked, n: NoticeM, msg: p.Preempt, what: str) -> None:
+        """Notice ``n`` (as ``msg`` says it) given to ``a``: judged by the rules, and what it changes."""
         why = self.notice_wrong(a, n, msg)
         if why:
             self.fail(
-                f"client {c.cid} got {short(msg)} for {a.task_id} (priority {a.priority}, gpus {a.gpus}, "
+                f"{what} for {a.task_id} (priority {a.priority}, gpus {a.gpus}, "
                 f"on_preempt {a.on_preempt}, protected {a.protected}, running {self.now - a.created} us): {why}"
             )
         a.notice = n
@@ -1684,9 +1859,129 @@ class World:
                 f"thrash: {a.task_id} got its notice number {a.told} after {(self.now - self.started) / 1e6:.3f} s "
                 f"simulated, more than time / preemption_cooldown + 2 = {bound}"
             )
-        self.react(c, a, n)
-        if self.rng.random() < 0.1:  # gpud dies while the notice runs
-            self.later(self.now + self.rng.randrange(0, max(1, self.grace_us)), "crash")
+
+    def noticed_unheld(self, a: Acked, la: Any, ln: Any) -> None:
+        """A notice the ledger gave ``a``, which no connection holds: only through its live owner process
+        can it be told (reachable), by SIGTERM when it is told to leave whole."""
+        t, o = a.task_id, a.owner
+        if a.holder is not None or not o.reach:
+            self.fail(f"the daemon runs a notice for {t} ({ln}) that its holder was never told")
+        if ln.issued != self.now:
+            self.fail(f"the notice of {t} ({ln}) was given before this event, and not judged then")
+        n = NoticeM(ln.reason, tuple(ln.gpus), ln.whole, ln.by, ln.issued, ln.deadline)
+        grace_s = round((ln.deadline - ln.issued) / 1e6, 3)
+        msg = p.Preempt(
+            task_id=t, reason=ln.reason, recovery=recovery_told(la, ln), gpus=list(ln.gpus), whole=ln.whole,
+            grace_s=grace_s, by=ln.by,
+        )  # fmt: skip
+        self.noticed(a, n, msg, f"notice {short(msg)} (nobody holds it; its owner {o.proc})")
+        if n.whole and o.alive() and o.termed != n.issued:
+            self.fail(f"{t} is told to leave whole, nobody holds it, and its owner {o.proc} got no SIGTERM")
+        self.stats["notices to an owner nobody holds" + (" (SIGTERM)" if o.termed == n.issued else "")] += 1
+
+    def judge_signal(self, proc: Proc, sig: signal.Signals) -> None:
+        """A signal the table delivers now (``Table.on_signal``): judged at this moment, before it acts."""
+        task, why = self.signalling or ("?", "?")
+        self.event("gpud sends {} to {} for {} ({})", sig.name, proc, task, why)
+        self.stats[f"owners signalled ({sig.name})"] += 1
+        wrong = self.signal_wrong(proc, sig, task, why)
+        if wrong:  # (raised inside the daemon, which may contain it: check() raises it again)
+            self.broken = f"gpud sent {sig.name} to {proc} for task {task} ({why}): {wrong}"
+            self.fail(self.broken)
+        if sig == signal.SIGTERM and self.rng.random() < 0.5:  # it leaves as asked, after a while
+            self.later(self.now + self.rng.randrange(0, 2 * max(1, self.grace_us)), "owner_exits", proc)
+        elif sig == signal.SIGKILL:  # it ends now: a client's own process takes its connection along
+            self.later(self.now, "owner_killed", proc)
+
+    def signal_wrong(self, proc: Proc, sig: signal.Signals, task: str, why: str) -> str:
+        """What is wrong with ``sig`` reaching ``proc`` now for ``task`` ("" if nothing)."""
+        t = self.table
+        if self.signalling is None:
+            return "a signal not sent through TaskOwners.signal"
+        if proc.pid <= 1 or proc is t.daemon or proc.kthread:
+            return "init, gpud itself and kernel threads are never signalled"
+        if t.at.get(proc.pid) is not proc:
+            return "its pid is another process's now"
+        a = self.acked.get(task) or self.suspended.get(task)
+        if a is None:
+            return "the task holds no allocation"
+        o = a.owner
+        if o.proc is not proc or not o.held:
+            return f"the process the task was allocated for is {o.proc}" + ("" if o.held else ", not held since")
+        if a.uid not in (proc.ruid, proc.suid) and not o.any_uid:
+            return f"it is not a process of uid {a.uid}, whose allocation it is (and no admin said owner_any_uid)"
+        if sig == signal.SIGTERM:
+            ln = self.daemon.allocations.ledger.notice_of(task)
+            if why != "preempt_notice" or ln is None or not ln.whole or ln.issued != self.now:
+                return f"a SIGTERM goes with a notice to leave whole, given now (the ledger's: {ln})"
+            if a.holder is not None:
+                return "a connection holds the allocation: it is told by PREEMPT"
+            o.termed = ln.issued
+        elif sig == signal.SIGKILL:
+            n = a.notice
+            if why != "preempt_grace_over" or n is None or not n.whole or o.termed != n.issued:
+                return f"a SIGKILL ends the notice whose SIGTERM the owner got (one for {o.termed}; the notice: {n})"
+            if self.now < n.deadline and task not in self.yields_now:
+                return f"{n.deadline - self.now} us before the notice's grace ends"
+            o.killed = self.now
+        else:
+            return "gpud sends its owners SIGTERM and SIGKILL only"
+        return ""
+
+    def owners_m(self) -> dict[str, OwnerM]:
+        """The owner of every task the model knows: allocations, suspended ones, waits, restored waits."""
+        out = {t: a.owner for t, a in [*self.acked.items(), *self.suspended.items()]}
+        for q in self.all_pending("ALLOCATE"):
+            if q.deadline is not None:
+                out.setdefault(q.msg.task_id, q.info["owner"])
+        for t, g in self.ghosts.items():
+            out.setdefault(t, g.owner)
+        return out
+
+    def rehold(self) -> None:
+        """A new daemon holds again the owners of what it restored that still run, and nothing else; the
+        signals it sent before are forgotten; an allocation is reachable through its owner if it runs."""
+        for t, o in self.owners_m().items():
+            o.termed = o.killed = None
+            o.held = o.proc is not None and o.proc.alive and not self.table.hidden
+            gone = o.proc is not None and not o.proc.alive
+            # (where /proc hides everything, a live process at the dead owner's pid cannot be told apart)
+            o.orphan_at = self.now if gone and not (self.table.hidden and self.table.live(o.proc.pid)) else None
+            o.reach = o.held and (t in self.acked or t in self.suspended)
+
+    def do_owner_exits(self) -> None:
+        """An owner process exits: a held one mostly (a client's own: it crashed), else a client's child."""
+        procs = [o.proc for o in self.owners_m().values() if o.held and o.proc is not None and o.proc.alive]
+        procs += [k for c in self.clients if c.proc is not None for k in self.table.children(c.proc)][:2]
+        proc = self.pick(list(dict.fromkeys(procs)))
+        if proc is None:
+            return self.do_advance()
+        self.ended(proc, "it ended")
+
+    def do_pid_reuse(self) -> None:
+        """A new process takes the pid of one that exited (an owner's, mostly)."""
+        owners = [o.proc for o in self.owners_m().values() if o.proc is not None]
+        dead = [x for x in dict.fromkeys(owners) if not x.alive and self.table.at[x.pid] is x]
+        dead = dead or [x for x in self.table.at.values() if not x.alive]
+        self.reuse(self.pick(dead))
+        self.after_event()
+
+    def later_owner_exits(self, proc: Proc) -> None:
+        self.ended(proc, "it left on SIGTERM")
+
+    def later_owner_killed(self, proc: Proc) -> None:
+        self.ended(proc, "SIGKILL from gpud at its grace's end")
+
+    def ended(self, proc: Proc, why: str) -> None:
+        """``proc`` exits, as one event; a client's own process is started again, sometimes."""
+        if not proc.alive:
+            return
+        self.exits(proc, why)
+        self.after_event()
+        c = next((x for x in self.clients if x.proc is proc), None)
+        if c is not None and self.rng.random() < 0.5:
+            self.later(self.now + self.rng.randrange(MS, 100 * MS), "reconnect", c.cid)
+            self.respawn(c)
 
     def later_crash(self) -> None:
         if any(a.notice is not None for a in self.acked.values()):
@@ -1776,7 +2071,7 @@ class World:
             self.after_event()
             if self.rng.random() < 0.5:
                 self.later(self.now + self.rng.randrange(MS, 20 * MS), "reconnect", c.cid)
-                c.alive, c.pid = True, c.pid + 1
+                self.respawn(c)
 
     def later_again(self, cid: int, gen: int, task: str) -> None:
         """A runner whose allocation was taken back asks for its task again (checkpoint: it resumes)."""
@@ -1876,6 +2171,12 @@ class World:
 
     def taken_back(self, a: Acked, n: NoticeM, suspend: bool) -> None:
         self.stats[f"preemptions carried out ({'yielded' if a.task_id in self.yields_now else 'grace over'})"] += 1
+        o = a.owner
+        if n.whole and not suspend and o.termed == n.issued and o.killed is None and o.alive():
+            self.known_bug(
+                "no SIGKILL at the grace's end",
+                f"{a.task_id} was taken back; its owner {o.proc} got SIGTERM for it and no SIGKILL at its end",
+            )
         a.notice = None
         if not n.whole:
             a.gpus, a.changed = tuple(g for g in a.gpus if g not in n.gpus), self.now
@@ -1988,6 +2289,9 @@ class World:
             ),
             gpus_max=r.randint(2, len(self.gpus)) if elastic else None,
         )
+        if r.random() < 0.6:  # its own process, or a child: the owner a notice nobody listens for signals
+            owner = c.pid if r.random() < 0.6 or c.proc is None else self.draw_owner(c)[0]
+            msg = msgspec.structs.replace(msg, owner_pid=owner, notify=r.random() < 0.3)
         self.allocate(c, msg)
 
     def do_yield(self) -> None:
@@ -2026,13 +2330,19 @@ class World:
             why = self.withdrawal_wrong(n, waits)
             if why:
                 self.fail(f"the notice of {a.task_id} ({n}) was withdrawn, but {why}")
+        if self.reaps_now:  # the reaper's: what is gone whose owner exited (a notice it had counts as done)
+            for t, a in [*self.acked.items(), *self.suspended.items()]:
+                if t not in live and t not in susp and a.owner.reapable():
+                    self.reaped(a, led.history_of(t), waits)
         for t, a in list(self.acked.items()):
             n, la = a.notice, live.get(t)
             ln = led.notice_of(t) if la is not None else None
             if n is not None and not n.same(ln):
                 self.notice_ended(a, n, la, t in susp, waits)
+                if ln is not None and t in self.acked:  # and another given in the same tick (nobody holds it)
+                    self.noticed_unheld(a, la, ln)
             elif n is None and ln is not None:
-                self.fail(f"the daemon runs a notice for {t} ({ln}) that its holder was never told")
+                self.noticed_unheld(a, la, ln)
             elif n is not None and self.now >= n.deadline:
                 late = self.now - n.deadline
                 if not (self.booting or (self.retrying() and late <= MAX_LATE_US)):
@@ -2054,11 +2364,15 @@ class World:
         for t, g in list(self.ghosts.items()):
             if t in live and t not in self.acked:
                 msg = d.allocations.answer(0, live[t], 0.0)
-                _, why = self.made(g.uid, msg, g)
+                _, why = self.made(g.uid, msg, g, g.owner)
                 if why:
                     self.fail(f"the wait of {t} restored after a restart was served {short(msg)}: {why}")
                 del self.ghosts[t]
                 self.stats["restored waits served"] += 1
+            elif t not in waits and self.reaps_now and g.owner.reapable():
+                del self.ghosts[t]  # withdrawn by the reaper (or served in this tick, then reaped)
+                self.waits_ended_now.add(t)
+                self.stats["restored waits ended by the reaper (owner exited)"] += 1
             elif t not in waits:
                 if self.now < g.earliest:
                     self.fail(f"the wait of {t} restored after a restart ended {g.earliest - self.now} us early")
@@ -2067,6 +2381,28 @@ class World:
                 self.stats["restored waits expired"] += 1
             elif self.now > g.answer_by and not (self.booting or self.retrying()):
                 self.fail(f"the wait of {t} restored after a restart still waits {self.now - g.answer_by} us late")
+
+    def reaped(self, a: Acked, history: tuple[int, bool], waits: set[str]) -> None:
+        """The reaper released ``a``, whose owner exited: as a FREE would (nobody is told), and under a
+        notice to leave whole it counts as that preemption done (``history``: the ledger's for the task
+        now). In the same tick the notice it had may have been withdrawn first, or one given (nobody
+        holds it: it counted as reachable through its owner, dead since)."""
+        (self.acked if a.task_id in self.acked else self.suspended).pop(a.task_id)
+        n, done = a.notice, history[0] > a.preemptions
+        if done and (n is None or not n.whole):
+            if n is not None or a.holder is not None or not a.owner.reach:
+                self.fail(f"{a.task_id} was reaped as told to leave whole, but its notice is {n}")
+            self.stats["allocations told to leave and reaped in one tick (owner exited)"] += 1
+        elif n is not None and n.whole and not done:
+            why = self.withdrawal_wrong(n, waits)
+            if why:
+                self.fail(f"the notice of {a.task_id} ({n}) was withdrawn before it was reaped, but {why}")
+            self.stats["notices withdrawn, then reaped in one tick (owner exited)"] += 1
+        if done:
+            self.remember(a)
+        self.retire(a)
+        self.stats["allocations reaped (owner exited)"] += 1
+        self.stats["allocations reaped with a connection holding them (not told)"] += a.holder is not None
 
     def notice_ended(self, a: Acked, n: NoticeM, la: Any, suspended: bool, waits: set[str]) -> None:
         """The daemon's notice for ``a`` ended and its holder (there is none) was not told:
@@ -2103,7 +2439,7 @@ class World:
                 self.ghosts[r.task_id] = ghosts[r.task_id]
             elif q is not None and c is not None:
                 self.ghosts[r.task_id] = Ghost(
-                    r.task_id, c.uid, asked_terms(q.msg), q.info["earliest"], q.deadline or 0
+                    r.task_id, c.uid, asked_terms(q.msg), q.info["earliest"], q.deadline or 0, q.info["owner"]
                 )
                 self.stats["waits restored after a crash"] += 1
             elif r.task_id in self.unstored_waits:
@@ -2159,11 +2495,17 @@ class World:
         return self.config.priority_max_uids.get(str(c.uid), self.config.priority_max)
 
     def allocation_for(self, c: Client, gpu: int, task_id: str | None) -> Acked | None:
-        """The allocation a new session on ``gpu`` belongs to: the one it names, else the smallest
-        fractional one of its uid's on the GPU (owner pids are never set here)."""
+        """The allocation a new session on ``gpu`` belongs to: the one it names, else a fractional one of
+        its uid's on the GPU: of the nearest process (the session's, then its ancestors') that owns one
+        and runs, else the smallest."""
         alloc = self.acked.get(task_id) if task_id else None
         if alloc is None:
             mine = [a for a in self.acked.values() if a.uid == c.uid and gpu in a.gpus and 0 < a.share < UNIT]
+            for pid in self.table.ancestry(c.pid) if mine else ():
+                near = [a for a in mine if a.owner.alive() and a.owner.proc is self.table.at[pid]]
+                if near:
+                    self.stats["sessions that belong to their process's allocation"] += 1
+                    return min(near, key=lambda a: (a.share, a.task_id))
             alloc = min(mine, key=lambda a: (a.share, a.task_id), default=None)
         return alloc
 
@@ -2215,9 +2557,18 @@ class World:
     def new_client(self) -> Client:
         uid = self.rng.choice([ADMIN_UID, 0, *USERS, USERS[0], USERS[1]])
         cid = len(self.clients) + 1
-        c = Client(cid, uid, self.rng.choice(KINDS), pid=100_000 + cid * 100)
+        c = Client(cid, uid, self.rng.choice(KINDS), pid=0)
+        if self.rng.random() < 0.6:  # started from a login shell of its uid (else by init: a service)
+            c.shell = self.table.spawn(self.table.init, uid, label=f"shell of client {cid}")
+        self.respawn(c)
         self.clients.append(c)
         return c
+
+    def respawn(self, c: Client) -> None:
+        """A new process of the client's program (its first, or after a crash)."""
+        shell = c.shell if c.shell is not None and c.shell.alive else self.table.init
+        c.proc = self.table.spawn(shell, c.uid, label=f"client {c.cid}")
+        c.alive, c.pid = True, c.proc.pid
 
     def attach(
         self,
@@ -2396,6 +2747,7 @@ class World:
             return msgspec.structs.replace(
                 held.again(c.rid(), wait_ms=wait_ms), prefer=prefer, strategy=r.choice(list(p.Strategy))
             )
+        owner_pid, any_uid = self.draw_owner(c) if r.random() < 0.5 else (None, False)
         return p.Allocate(
             id=c.rid(),
             task_id=task,
@@ -2410,13 +2762,19 @@ class World:
             on_preempt=on_preempt,
             gpus_max=gpus_max,
             protected=r.random() < 0.08,
-            notify=r.random() < 0.9,  # False: a one-shot gpuctl alloc, which does not listen for PREEMPT
+            # False: a one-shot gpuctl alloc, which does not listen for PREEMPT (its owner is signalled)
+            notify=r.random() < (0.9 if owner_pid is None else 0.4),
+            owner_pid=owner_pid,
+            owner_any_uid=any_uid,
         )
 
-    def allocate_refusal(self, c: Client, msg: p.Allocate, waiting: dict[str, Pending]) -> p.ErrorCode | None:
-        """How the daemon must refuse ``msg`` (None: it allocates, or the request waits), in the order
-        it checks: the task's owner, the tenant's members, the priority ceiling, protection, prefer,
-        the terms of what the task holds or waits for, the request's shape, the tenant."""
+    def allocate_refusal(
+        self, c: Client, msg: p.Allocate, waiting: dict[str, Pending]
+    ) -> tuple[p.ErrorCode | None, str]:
+        """How the daemon must refuse ``msg`` (None: it allocates, or the request waits), and what the
+        refusal's message must say ("" : anything), in the order it checks: the task's owner, the
+        tenant's members, the priority ceiling, protection, a new task's owner process, prefer, the
+        terms of what the task holds or waits for, the request's shape, the tenant."""
         task, n = msg.task_id, len(self.gpus)
         held = self.acked.get(task) or self.suspended.get(task)
         ghost = self.ghosts.get(task)
@@ -2425,7 +2783,7 @@ class World:
         priority = None if msg.priority is None and msg.priority_class is None else asked_priority(msg)
         gpus = round(msg.gpus * UNIT)
         if owner_uid is not None and owner_uid != c.uid and not c.admin:
-            return p.ErrorCode.PERMISSION_DENIED
+            return p.ErrorCode.PERMISSION_DENIED, ""
         if (
             member is not None
             and (member.uids or member.gids)
@@ -2433,39 +2791,162 @@ class World:
             and c.gid not in member.gids
             and not c.admin
         ):
-            return p.ErrorCode.PERMISSION_DENIED
+            return p.ErrorCode.PERMISSION_DENIED, ""
         if (priority or 0) > self.ceiling(c):
-            return p.ErrorCode.PERMISSION_DENIED
+            return p.ErrorCode.PERMISSION_DENIED, ""
         if msg.existing and held is None:  # only the allocation the task holds, never a new one
-            return p.ErrorCode.UNKNOWN_TASK
+            return p.ErrorCode.UNKNOWN_TASK, ""
         if msg.protected and not c.admin:
-            return p.ErrorCode.PERMISSION_DENIED
+            return p.ErrorCode.PERMISSION_DENIED, ""
+        if held is None and task not in waiting and ghost is None and msg.owner_pid is not None:
+            why = self.owner_refusal(c, msg.owner_pid, any_uid=msg.owner_any_uid)
+            if why:
+                return p.ErrorCode.PERMISSION_DENIED, why
         if 7 in msg.prefer:
-            return p.ErrorCode.UNKNOWN_GPU
+            return p.ErrorCode.UNKNOWN_GPU, ""
         if held is not None:  # the same allocation again for the same terms, refused for others
-            return None if asked_terms(msg) == held.terms else p.ErrorCode.INVALID
+            return (None if asked_terms(msg) == held.terms else p.ErrorCode.INVALID), ""
         if task in waiting:
-            return p.ErrorCode.INVALID
+            return p.ErrorCode.INVALID, ""
         if ghost is not None:  # its wait outlived the daemon: the same terms take it up again
-            return None if asked_terms(msg) == ghost.terms else p.ErrorCode.INVALID
+            return (None if asked_terms(msg) == ghost.terms else p.ErrorCode.INVALID), ""
         bad_shape = msg.gpus in (1.5, 9.0) or (gpus == 0 and msg.cpus == 0) or msg.gpus > n
         if msg.gpus_max is not None:
             bad_shape = bad_shape or gpus < UNIT or gpus % UNIT != 0 or msg.gpus_max <= gpus // UNIT or msg.gpus_max > n
         elif msg.on_preempt == p.Recovery.SHRINK:
             bad_shape = True
         if bad_shape:
-            return p.ErrorCode.INVALID
+            return p.ErrorCode.INVALID, ""
         if msg.tenant == "nope":
-            return p.ErrorCode.UNKNOWN_TENANT
-        return None
+            return p.ErrorCode.UNKNOWN_TENANT, ""
+        return None, ""
+
+    def owner_refusal(self, c: Client, pid: int, *, any_uid: bool) -> str:
+        """What the refusal of ``pid`` as the owner of a new task of ``c`` says ("": none), by the
+        rules of docs/security.md, read off the process table: never init, gpud or a kernel thread;
+        where /proc shows nothing, only the caller itself; the caller's uid must be the target's real
+        or saved uid (unless an admin says owner_any_uid); the target must be the caller, an ancestor
+        of its uid, or a descendant of one of those."""
+        t = self.table
+        target = t.live(pid)
+        if any_uid and not c.admin:
+            return "owner_any_uid needs admin rights"
+        if pid <= 1:
+            return "is init"
+        if pid == t.daemon.pid:
+            return "is gpud itself"
+        if target is not None and target.kthread and not t.hidden:
+            return "is a kernel thread"
+        if target is None or t.hidden:
+            return "" if pid == c.pid else "cannot read that process's credentials"
+        if any_uid:
+            return ""
+        if c.uid not in (target.ruid, target.suid):
+            return f"belongs to uid {target.ruid}, not to you"
+        assert c.proc is not None
+        lineage, up = [c.proc], c.proc.parent
+        while up is not None and up.pid > 1 and up.ruid == c.uid:
+            lineage.append(up)
+            up = up.parent
+        up = target
+        while up is not None and up.pid > 1:
+            if up in lineage:
+                return ""
+            up = up.parent
+        return "is not yours to name"
+
+    def claimed(self, c: Client, pid: int) -> Proc:
+        """The process an owner pid the rules accept names: the caller itself where /proc shows nothing."""
+        proc = c.proc if self.table.hidden else self.table.live(pid)
+        assert proc is not None and proc.pid == pid
+        return proc
+
+    def draw_owner(self, c: Client) -> tuple[int, bool]:
+        """An owner pid for a new task of ``c``, and whether it says owner_any_uid: mostly its own process
+        or one of its lineage, else something the rules refuse (or take only from an admin)."""
+        t, r = self.table, self.rng
+        assert c.proc is not None
+        kind = r.choices(OWNER_KINDS, [w for _, w in OWNER_WEIGHTS])[0]
+        self.stats[f"owner pids drawn: {kind}"] += 1
+        any_uid = r.random() < (0.4 if c.admin else 0.03)
+        if kind == "own":
+            return c.pid, any_uid and r.random() < 0.2
+        if kind in ("child", "setuid child", "dropped child", "grandchild"):
+            kids = [k for k in t.children(c.proc) if k.ruid == c.uid]
+            if kind == "child" and kids and r.random() < 0.6:
+                return r.choice(kids).pid, False
+            parent = r.choice(kids) if kind == "grandchild" and kids else c.proc
+            ruid, euid, suid = {"setuid child": (c.uid, 0, 0), "dropped child": (0, c.uid, 0)}.get(kind, (c.uid,) * 3)
+            child = t.spawn(parent, ruid, euid=euid, suid=suid, label=f"{kind} of client {c.cid}")
+            return child.pid, any_uid
+        if kind in ("shell", "sibling"):
+            if c.shell is None or not c.shell.alive:
+                return c.pid, False
+            if kind == "shell":
+                return c.shell.pid, False
+            return t.spawn(c.shell, c.uid, label=f"sibling of client {c.cid}").pid, False
+        if kind in ("another uid", "another session"):
+            uid = c.uid if kind == "another session" else r.choice([u for u in (0, *USERS) if u != c.uid])
+            theirs = [x.proc for x in self.clients if x is not c and x.uid == uid and x.proc and x.proc.alive]
+            if theirs and r.random() < 0.5:
+                return r.choice(theirs).pid, any_uid
+            return t.spawn(t.init, uid, label=f"a process of uid {uid}").pid, any_uid
+        if kind == "exited":
+            gone = sorted(x.pid for x in t.at.values() if not x.alive)
+            if gone:
+                return r.choice(gone), any_uid
+            child = t.spawn(c.proc, c.uid, label=f"child of client {c.cid}")
+            self.exits(child, "a short-lived child")
+            return child.pid, any_uid
+        if kind == "reused":
+            return self.reuse(r.choice([x for x in t.at.values() if not x.alive] or [None])).pid, any_uid
+        return {"init": 1, "gpud": t.daemon.pid, "kernel thread": t.kthread.pid}.get(kind, 999_999), any_uid
+
+    def reuse(self, old: Proc | None) -> Proc:
+        """A new process takes the pid of ``old``, which exited (None: a child that exits at once first);
+        of the same uid mostly, started by a live client's process or by init."""
+        t, r = self.table, self.rng
+        if old is None:
+            old = t.spawn(t.init, r.choice([0, *USERS]), label="a short-lived process")
+            self.exits(old, "it was short-lived")
+        uid = old.ruid if r.random() < 0.7 else r.choice([0, *USERS])
+        parents = [x.proc for x in self.clients if x.proc is not None and x.proc.alive and x.uid == uid]
+        parent = r.choice(parents) if parents and r.random() < 0.6 else t.init
+        new = t.spawn(parent, uid, pid=old.pid, label=f"pid reused (was {old.label or 'a process'})")
+        self.event("a new process takes the pid of {}: {}", old, new)
+        self.stats["pids reused"] += 1
+        return new
+
+    def exits(self, proc: Proc | None, why: str) -> None:
+        """``proc`` exits (a dead owner's allocations are the reaper's from now on)."""
+        if proc is None or not proc.alive:
+            return
+        self.table.kill(proc)
+        self.event("{} exits ({})", proc, why)
+        if any(o.proc is proc and o.held for o in self.owners_m().values()):
+            self.stats["owner processes exited"] += 1
+        c = next((x for x in self.clients if x.proc is proc), None)
+        if c is not None:  # a client's own process: its connection ends with it
+            c.alive = False
+            if c.conn is not None:
+                self.lose_connection(c, f"its process exited ({why})", crashed=True)
 
     def allocate(self, c: Client, msg: p.Allocate | None = None) -> None:
         msg = msg or self.draw_allocate(c)
         task = msg.task_id
         waiting = {q.msg.task_id: q for q in self.all_pending("ALLOCATE") if q.deadline is not None}
-        expected = self.allocate_refusal(c, msg, waiting)
+        expected, why = self.allocate_refusal(c, msg, waiting)
         ghost = self.ghosts.get(task) if expected is None else None
         suspended = expected is None and task in self.suspended
+        owner = ghost.owner if ghost is not None else OwnerM()
+        fresh = task not in self.acked and task not in self.suspended and task not in waiting and ghost is None
+        if expected is None and fresh and msg.owner_pid is not None:  # claimed: held from now on
+            owner = OwnerM(self.claimed(c, msg.owner_pid), msg.owner_any_uid, held=True)
+        elif expected is None and c.proc is not None and msg.owner_pid == c.proc.pid:
+            prev = self.acked.get(task) or self.suspended.get(task)  # asked again by the owner itself:
+            o = prev.owner if prev is not None else None  # held again where a restart could not
+            if o is not None and not o.held and o.proc is c.proc and c.proc.alive:
+                o.held, o.orphan_at, o.reach = True, None, True
         cp, waiters = self.daemon.allocations.ledger.checkpoint(), dict(self.daemon.allocations.waiters)
         injected = self.injected
         pend = self.send(
@@ -2475,12 +2956,14 @@ class World:
             uid=c.uid,
             client=c,
             expected=expected,
+            why=why,
+            owner=owner,
             injected=injected,
             waiting_tasks=sorted(waiting),
             suspended=suspended,
         )
         if c.pending.get(pend.rid) is pend:
-            if ghost is not None:  # it waits again, as the ledger kept it, for this connection
+            if ghost is not None:  # it waits again, as the ledger kept it, for this connection (its owner too)
                 pend.deadline = max(ghost.answer_by, pend.info.get("answer_by", 0))
                 pend.info.update(rejoin=True, earliest=ghost.earliest, victims=True)
                 del self.ghosts[task]
@@ -2690,6 +3173,8 @@ class World:
             times.append(self.agenda[0][0])
         if self.woken:
             times.append(self.now)
+        if self.reap_us:
+            times.append(self.next_reap)
         return min(times, default=None)
 
     def advance(self, to: int) -> None:
@@ -2712,17 +3197,26 @@ class World:
                 tick_gpu(d, slot, self.now)
                 self.deliver()
         deadline = d.allocations.next_deadline()
-        if self.woken or (deadline is not None and deadline <= self.now):
-            fired.append("allocations")
+        reap = bool(self.reap_us) and self.now >= self.next_reap
+        if self.woken or (deadline is not None and deadline <= self.now) or reap:
+            # (a reaper's round that finds no owner dead and changes nothing is no event)
+            busy = self.woken or (deadline is not None and deadline <= self.now) or d.allocations.owners.orphaned()
+            writes = self.writes
             self.woken = False
-            tick_allocations(d, self.now, reap=False)
+            tick_allocations(d, self.now, reap=reap)
+            if reap:
+                self.next_reap = self.now + self.reap_us
+            if busy or self.writes != writes:
+                fired.append("allocations" + (" (reaper)" if reap else ""))
+            else:
+                self.reaps_now = False
             self.booting = False
             self.deliver()
         if fired:
             self.event("timers: {}", ", ".join(fired))
             self.after_event()
             deadline = d.allocations.next_deadline()
-            if deadline is not None and deadline <= self.now:
+            if deadline is not None and deadline <= self.now and not d.allocations.reaping:
                 self.fail(f"an allocation deadline {self.now - deadline} us old is due but was not acted on")
             self.spins = self.spins + 1 if self.now == self.last_due else 0
             self.last_due = self.now
@@ -2838,11 +3332,13 @@ class World:
         ("yield", 0.4),
         ("contend", 5),
         ("crash_preempting", 1.5),
+        ("owner_exits", 1.2),
+        ("pid_reuse", 0.6),
     ]
 
     def run(self) -> None:
         names = [n for n, _ in self.STEPS]
-        weights = [w for _, w in self.STEPS]
+        weights = [CHURN.get(n, w) if self.churn else w for n, w in self.STEPS]
         with quiet_logs():
             try:
                 for _ in range(2):
@@ -2880,7 +3376,7 @@ class World:
             if c is None:
                 return self.do_advance()
             if not c.alive:  # a new process of the same program
-                c.alive, c.pid = True, c.pid + 1
+                self.respawn(c)
         self.connect(c, greet=self.rng.random() < 0.97)
 
     def do_attach(self) -> None:
@@ -3110,7 +3606,7 @@ class World:
         self.after_event()
         if c.kind == "crashy" or self.rng.random() < 0.5:  # restarted by its supervisor
             self.later(self.now + self.rng.randrange(MS, 100 * MS), "reconnect", c.cid)
-            c.alive, c.pid = True, c.pid + 1
+            self.respawn(c)
 
     def do_crash_daemon(self) -> None:
         """gpud dies: no GOODBYE, no close; its clients see their connections end. A new
@@ -3161,6 +3657,7 @@ class World:
         self.daemon = self.build_daemon(grace_us)
         self.event("a new daemon starts (restart grace {} us)", grace_us)
         self.restored(waits)
+        self.rehold()
         self.check_fresh_store()
         self.booting = True
         self.after_event()
@@ -3188,6 +3685,8 @@ class World:
 
     def check(self) -> None:
         d, now = self.daemon, self.now
+        if self.broken:
+            self.fail(self.broken)
         if self.faults:
             self.fail("the daemon counted a fault:\n" + self.faults[0])
         conns = {c.conn.client_id: c.conn for c in self.clients if c.conn is not None}
@@ -3507,12 +4006,14 @@ class World:
         suspended = {a.task_id: self.shape(a) for a in led.suspended()}
         if suspended != {t: self.shape(a) for t, a in self.suspended.items()}:
             self.fail(f"the ledger's suspended allocations {suspended} are not the model's {sorted(self.suspended)}")
+        self.check_owners()
         holders = {t: a.holder for t, a in [*self.acked.items(), *self.suspended.items()] if a.holder is not None}
-        if alloc.holders != holders or led.reachable != set(holders):
+        reach = {t for t, a in [*self.acked.items(), *self.suspended.items()] if a.owner.reach}
+        if alloc.holders != holders or led.reachable != set(holders) | reach:
             self.fail(
                 f"the connections told of preemptions {[(t, c.client_id) for t, c in alloc.holders.items()]} "
                 f"(reachable {sorted(led.reachable)}) are not the ones that last got ALLOCATED "
-                f"{[(t, c.client_id) for t, c in holders.items()]}"
+                f"{[(t, c.client_id) for t, c in holders.items()]} (and those reached by their owner {sorted(reach)})"
             )
         if set(led.draining()) != self.draining or {s.gpu.index for s in d.slots if s.draining} != self.draining:
             self.fail(f"the daemon drains GPUs {sorted(led.draining())}, admins were told {sorted(self.draining)}")
@@ -3564,6 +4065,41 @@ class World:
             if fits:
                 self.fail(f"allocation {req.task_id} still waits though it fits now")
             self.stats["allocation waiters probed"] += 1
+
+    def check_owners(self) -> None:
+        """The daemon holds exactly the owner processes the model says (the very processes the tasks were
+        allocated for: never one that took a pid since), and an allocation whose owner exited is gone
+        within reap_interval_s of its exit."""
+        owners = self.daemon.allocations.owners
+        got = {t: h.proc for t, h in owners._held.items()}
+        want = {t: o.proc for t, o in self.owners_m().items() if o.held}
+        if got != want and not self.behind():
+            t = next(t for t in sorted(set(got) | set(want)) if got.get(t) is not want.get(t))
+            o = self.owners_m().get(t)
+            self.fail(
+                f"the daemon holds {got.get(t)} as the owner of {t}; the process it was allocated for is "
+                f"{o and o.proc}, " + ("which it holds" if o and o.held else "not held (exited, or gone from its pid)")
+            )
+        if not self.table.hidden and not self.behind():
+            self.stored_allocations()  # (read again only if the store changed)
+            assert self._stored is not None
+            starts = self._stored[3]
+            for t, a in [*self.acked.items(), *self.suspended.items()]:
+                if a.owner.held and a.owner.proc is not None and starts.get(t) != a.owner.proc.start:
+                    self.fail(f"the store keeps the start time {starts.get(t)} for {t}'s owner {a.owner.proc}")
+        if not self.reap_us:
+            return
+        for a in [*self.acked.values(), *self.suspended.values()]:
+            proc = a.owner.proc
+            if proc is None or not a.owner.reapable():
+                continue
+            assert proc.died_at is not None
+            known = max(proc.died_at, a.owner.orphan_at or 0)  # (gone while gpud was down: since its start)
+            if self.now > known + self.reap_us:
+                self.fail(
+                    f"{a.task_id}'s owner {proc} exited {(self.now - proc.died_at) / 1e3:.3f} ms ago, "
+                    f"reap_interval_s is {self.config.reap_interval_s}: its allocation is still there"
+                )
 
     def check_devices(self) -> None:
         """No device is held by two allocations: the model's allocations share no CPU core and no
@@ -3648,7 +4184,8 @@ class World:
         store = self.daemon.allocations.store
         changes = store._db.total_changes
         if self._stored is None or self._stored[0] is not store or self._stored[1] != changes:
-            self._stored = (store, changes, self.durable(store.load().records))
+            loaded = store.load()
+            self._stored = (store, changes, self.durable(loaded.records), loaded.starts)
         return self._stored[2]
 
     def check_fresh_store(self) -> None:
@@ -3705,14 +4242,16 @@ def thrash(victims: list[tuple[int, int, int, int]]) -> str:
     )
 
 
-def command(seed: int, steps: int) -> str:
-    extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
+def command(seed: int, steps: int, *, churn: bool = False) -> str:
+    extra = ("" if steps == DEFAULT_STEPS else f" --steps {steps}") + (" --churn" if churn else "")
     return f".venv/bin/python -m tests.sim.daemon_sim --seed {seed}{extra}"
 
 
-def run_seed(seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, strict: bool = False) -> Outcome:
+def run_seed(
+    seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, strict: bool = False, churn: bool = False
+) -> Outcome:
     began = time.perf_counter()
-    world = World(seed, steps, verbose=verbose, strict=strict)
+    world = World(seed, steps, verbose=verbose, strict=strict, churn=churn)
     try:
         world.run()
     except Exception as exc:  # a broken invariant, or an exception out of the daemon
@@ -3725,7 +4264,7 @@ def run_seed(seed: int, steps: int = DEFAULT_STEPS, *, verbose: bool = False, st
                 *("  " + trace_line(entry) for entry in world.trace),
                 "the GPUs then:",
                 *("  " + line for line in world.describe_gpus()),
-                f"reproduce: {command(seed, steps)}",
+                f"reproduce: {command(seed, steps, churn=churn)}",
             ]
         )
         return Outcome(seed, False, report, world.events, time.perf_counter() - began, world.stats, world.victims)
@@ -3742,6 +4281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print every event")
     parser.add_argument("--stats", action="store_true", help="print what happened, summed over the seeds")
     parser.add_argument("--strict", action="store_true", help="fail on the known daemon bugs too (KNOWN_BUGS)")
+    parser.add_argument("--churn", action="store_true", help="owners exit, pids are reused, gpud crashes: often")
     args = parser.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
     began = time.perf_counter()
@@ -3750,7 +4290,7 @@ def main(argv: list[str] | None = None) -> int:
     stats: Counter[str] = Counter()
     victims: list[tuple[int, int, int, int]] = []
     for seed in seeds:
-        out = run_seed(seed, args.steps, verbose=args.verbose, strict=args.strict)
+        out = run_seed(seed, args.steps, verbose=args.verbose, strict=args.strict, churn=args.churn)
         events += out.events
         stats += out.stats
         victims += out.victims
