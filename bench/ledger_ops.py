@@ -18,7 +18,13 @@ walk the daemon did before, so the script measures an older ledger too):
 - next_deadline while a waiter waits that no allocation can be taken back for;
 - a request that does not fit and takes back one lower-priority allocation (allocate with a wait,
   then the advance that chooses its victim);
-- get, notice_of, not_preemptible, waiting, allocations_page (4 from the middle), allocation_count.
+- a production request for a whole GPU, which takes back every allocation on one (N/2 of them): the
+  advance that chooses them and tells the first batch (with an older ledger, that tells them all),
+  and the next advance, which tells the next batch (where notices go in batches);
+- get, notice_of, not_preemptible, waiting, allocations_page (4 from the middle), allocation_count;
+- gc.collect(), a full collection, with the ledger and its N allocations alive (the process holds
+  little else), and how many objects the garbage collector tracks per allocation (the count of
+  ``gc.get_objects()`` after making them, less before, over N, each after a full collection).
 
 It never bends a figure: every run is timed, the median is reported. Times are one process's wall
 clock (``perf_counter_ns``) on whatever machine runs it; the ratios are what carries over.
@@ -29,6 +35,7 @@ clock (``perf_counter_ns``) on whatever machine runs it; the ratios are what car
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -50,6 +57,7 @@ class Node:
     led: Ledger
     share: int
     stored: dict[str, Any]  # the records last stored, for a ledger without ``changed_records``
+    tracked: float = 0.0  # objects the garbage collector tracks per allocation
 
     def fraction(self, task: str, **kw: Any) -> Request:
         return Request(task, self.share, priority=10, owner_pid=100, **kw)
@@ -58,6 +66,8 @@ class Node:
 def build(n: int) -> Node:
     led = Ledger([GpuSpec(i, f"GPU-{i}") for i in range(2)], list(range(16)))
     share = 2 * UNIT // n
+    gc.collect()
+    before = len(gc.get_objects())
     for i in range(n):
         t = f"t{i:06d}"
         led.allocate(Request(t, share, priority=10, owner_pid=100), 0)
@@ -65,6 +75,8 @@ def build(n: int) -> Node:
     node = Node(led, share, led.records())
     if hasattr(led, "mark_stored"):
         led.mark_stored()
+    gc.collect()
+    node.tracked = (len(gc.get_objects()) - before) / n
     return node
 
 
@@ -162,6 +174,24 @@ def measure(n: int, runs: int) -> dict[str, float]:
 
     grace = led.preemption.grace_us
     out["advance, a notice's grace ends"] = timed(runs, noticed, lambda _: led.advance(NOW + grace), led.rollback)
+
+    def production() -> Any:  # a whole GPU asked for: every allocation on one of the two is taken back
+        cp = led.checkpoint()
+        assert led.allocate(Request("p", UNIT, priority=100, wait_us=100 * S), NOW) is None
+        return cp
+
+    def first_batch() -> Any:
+        cp = production()
+        led.advance(NOW)
+        return cp
+
+    few = max(2, runs // 10)  # (each run tells up to 10 000 with an older ledger)
+    out["a whole GPU taken back: choose, tell a batch"] = timed(
+        few, production, lambda _: led.advance(NOW), led.rollback
+    )
+    out["a whole GPU taken back: the next batch"] = timed(
+        few, first_batch, lambda _: led.advance(NOW + 1), led.rollback
+    )
     out["next_deadline, nothing waits"] = timed(runs, none, lambda _: led.next_deadline(), skip)
     alloc = led.get(victim)
     assert alloc is not None
@@ -173,6 +203,8 @@ def measure(n: int, runs: int) -> dict[str, float]:
         middle = f"t{n // 2:06d}"  # 4 after it at either size: the same output, read from the middle
         out["allocations_page(4)"] = timed(runs, none, lambda _: led.allocations_page(middle, 4), skip)
         out["allocation_count"] = timed(runs, none, lambda _: led.allocation_count(), skip)
+    out["gc.collect(), full"] = timed(max(3, runs // 10), none, lambda _: gc.collect(), skip)
+    out["gc-tracked objects per allocation (a count)"] = node.tracked
     return out
 
 
@@ -197,9 +229,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{'operation':<36} {'µs at ' + str(small):>12} {'µs at ' + str(large):>14} {'ratio':>7}")
+    print(f"{'operation':<46} {'µs at ' + str(small):>12} {'µs at ' + str(large):>14} {'ratio':>7}")
     for op, row in ops.items():
-        print(f"{op:<36} {row[f'us_at_{small}']:>12.1f} {row[f'us_at_{large}']:>14.1f} {row['ratio']:>7.1f}")
+        print(f"{op:<46} {row[f'us_at_{small}']:>12.1f} {row[f'us_at_{large}']:>14.1f} {row['ratio']:>7.1f}")
     print(f"(median of {args.runs} runs each; {result['machine']})", file=sys.stdout)
 
 

@@ -447,7 +447,7 @@ class Allocations(Part):
         return p.Ok(id=msg.id)
 
     def _suspended(self, task_id: str) -> Allocation | None:
-        return next((a for a in self.ledger.suspended() if a.task_id == task_id), None)
+        return self.ledger.suspended_of(task_id)
 
     def _hold(self, task_id: str, conn: ClientLink, notify: bool = True) -> None:
         """``conn`` is told of this task's preemption from now on (if it listens: ``notify``)."""
@@ -795,6 +795,8 @@ class Allocations(Part):
             self.faults.often("store_failed", refused=refusal, error=str(exc))
             raise Refused(p.ErrorCode.STORE_FAILED, f"{refusal}: the store could not record it ({exc})") from None
         self._stored(put, delete, rows, owner, uids)
+        if (due := self.ledger.next_deadline()) is not None and due <= self.clock():
+            self.wake()  # the change left work for later turns (notices in batches): the timer goes on at once
 
     def _stored(
         self,

@@ -59,6 +59,30 @@ Taking allocations back (the rules of choosing victims are in ``gpud.core.preemp
 - Among equals the lower task id goes first (victims, elastic growth), never the order the
   allocations came in: a restart or a rollback does not keep that order.
 
+Telling in batches (so that no call grows with how many allocations a GPU holds: 10 000 fractions):
+- A waiter's victims are chosen at once (its plan; nobody else may choose them meanwhile) and told
+  ``NOTICE_BATCH`` at a time: each call tells, withdraws and carries out at most that many notices
+  in all, and the rest wait for the next calls, ``next_deadline`` answering the last ``advance``'s
+  time while some are left (the shell's timer calls again at once). Each victim's grace starts when
+  it is told; the waiter waits until every one of them has left (or was not told after all: one
+  that left, was protected, or is no longer there as planned is skipped).
+- A drain tells the allocations on its GPUs likewise, in task id order; putting a GPU back withdraws
+  its drain's notices likewise.
+- A waiter that gives up (or is served) tells no more, and the notices it caused are withdrawn in
+  batches: until then they are the notices of nobody, carried out by no deadline and no yield (a
+  yield withdraws its own); a new wait of the same task id chooses nothing until they are gone.
+- A plan is not durable: after a restart its waiter waits for the victims it told to leave (the
+  store keeps them with its wait), then chooses again. A notice whose waiter is not there after a
+  restart is withdrawn.
+- Expired immunities are forgotten in batches, and no plan is made until they all are.
+- Suspended allocations wait in any number (thousands of victims may suspend): serving reads only
+  those whose GPUs have room for them, and serves a batch of waiters at most per call, the rest at
+  the next calls; choosing victims reads only those that could take something back.
+
+What it holds per allocation for life (``Allocation``, ``Notice``, ``TaskRecord``, the index's facts)
+is in no reference cycle and not tracked by the garbage collector: 20 000 allocations do not
+lengthen its full collections.
+
 A refused call raises ``Refused`` (the request is wrong) or ``Insufficient``
 (the node is too full) and changes nothing. Pure: no clock, no storage; time
 is integer microseconds passed in.
@@ -67,20 +91,29 @@ is integer microseconds passed in.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from bisect import insort
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from heapq import merge
 from itertools import islice
 from typing import Any
 
+import msgspec
+from msgspec import structs
+
 from gpud.core.errors import LimitReached, Refused
 from gpud.core.journal import JDict, Journal
-from gpud.core.ledger_index import LedgerIndex, as_victim
-from gpud.core.preemption import Candidate, Need, Pool, Room, choose
+from gpud.core.ledger_index import DRAIN, LedgerIndex, Queued, as_victim
+from gpud.core.preemption import Candidate, Chunk, Need, Pool, Room, Victim, choose
 from gpud_client.protocol import ErrorCode, PreemptReason, PreemptStrategy, Recovery, Strategy
 from gpud_client.units import GPU_UNIT, fixed_gpus
 
 UNIT = GPU_UNIT  # one GPU
+NOTICE_BATCH = 64  # notices told, withdrawn or carried out per call, at most (the shell spends ~60-90 us on each)
+IMMUNITY_BATCH = 1024  # expired immunities forgotten per ``advance``
+PLAN_READ = 8 * NOTICE_BATCH  # planned victims looked at per call (those no longer to tell cost no notice)
+IDLE = "idle"  # the ``by`` of an elastic allocation's notice to give back what idles
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +146,10 @@ class Request:
     pinned: tuple[int, ...] = ()  # a suspended allocation waits for exactly these GPUs
 
 
-@dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(msgspec.Struct, frozen=True, gc=False):
+    """One task's devices. Never in a reference cycle, so not tracked by the garbage collector (the
+    ledger holds 20 000 of them for life: a full collection need not scan them)."""
+
     task_id: str
     gpus: tuple[int, ...]
     share: int  # fixed point per GPU: UNIT for whole GPUs
@@ -155,9 +190,9 @@ class PreemptionConfig:
     busy_percent: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Notice:
-    """An allocation told to give ``gpus`` back (all of them: ``whole``) by ``deadline``."""
+class Notice(msgspec.Struct, frozen=True, gc=False):
+    """An allocation told to give ``gpus`` back (all of them: ``whole``) by ``deadline`` (not tracked
+    by the garbage collector, as ``Allocation``)."""
 
     task_id: str
     reason: PreemptReason
@@ -317,12 +352,26 @@ class _Waiter:
     request: Request
     deadline: int
     since: int = 0
-    victims: frozenset[str] = frozenset()  # allocations told to leave for it
+    victims: tuple[str, ...] = ()  # allocations told to leave for it, by task id
     suspended: Allocation | None = None  # a suspended allocation waiting for its GPUs
+    plan: tuple[str, ...] = ()  # victims chosen, not told yet, in the order they are told
+    how: tuple[Candidate, ...] = ()  # those of them not taken whole for priority: how they are taken
+    seq: int = 0  # its place in the queue among equal priorities
 
 
-@dataclass(frozen=True, slots=True)
-class TaskRecord:
+class _Budget:
+    """What one call may still tell, withdraw or carry out (not state: it starts afresh each call)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = NOTICE_BATCH
+
+    def __repr__(self) -> str:
+        return "<notice budget>"
+
+
+class TaskRecord(msgspec.Struct, frozen=True, gc=False):
     """What is durable of one task id: its allocation and notice, its wait when it is suspended or
     has victims, its preemption history. See ``Ledger.records``."""
 
@@ -376,7 +425,7 @@ class Ledger:
         self._cpu_numa = dict(cpu_numa or {})
         self._tenants = dict(tenants or {})
         self._allocs: JDict[str, Allocation] = JDict(j, self._record_changed)
-        self._waiters: list[tuple[int, int, str]] = []  # (-priority, seq, task_id)
+        self._waiters: list[Queued] = []  # the requests waiting (not the suspended allocations: see the index)
         self._waiting: JDict[str, _Waiter] = JDict(j, self._record_changed)
         self._seq = 0
         self._rng = random.Random(seed)
@@ -398,6 +447,10 @@ class Ledger:
         self._busy_since: dict[int, int] = {}
         self._idle_since: dict[int, int] = {}
         self.reachable: set[str] = set()  # the shell's fact: task ids someone can be told about
+        self._withdrawing: frozenset[str] = frozenset()  # waiters gone whose notices are still withdrawn
+        self._undraining: frozenset[int] = frozenset()  # GPUs put back whose drain notices are still withdrawn
+        self._serving = False  # a batch of waiters was served: more may fit, the next call looks again
+        self._budget = _Budget()
 
     # --- calls ------------------------------------------------------------
 
@@ -430,12 +483,14 @@ class Ledger:
                 raise LimitReached(
                     "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
                 ) from None
-            self._enqueue(_Waiter(req, now + req.wait_us, now), short)
+            self._enqueue(_Waiter(req, now + req.wait_us, now, seq=self._seq + 1), short)
             return None
 
     def release(self, task_id: str, now: int) -> tuple[Allocation | None, list[LedgerEffect]]:
         """Free a task's allocation and serve waiters that now fit, or withdraw its wait (and the
-        notices it caused). An allocation freed under a notice counts as that preemption done."""
+        notices it caused, a batch now and the rest by ``advance``). An allocation freed under a
+        notice counts as that preemption done."""
+        self._budget.left = NOTICE_BATCH
         alloc = self._allocs.get(task_id)
         if alloc is None:
             effects: list[LedgerEffect] = []
@@ -443,6 +498,8 @@ class Ledger:
                 effects = self._unwait(task_id, now)
             return None, effects
         notice = self._notices.pop(task_id, None)
+        if notice is not None and self._nobodys(notice):
+            notice = None  # withdrawn in all but name: freeing it is no preemption
         if notice is not None and notice.whole:
             self._remember(alloc)
         else:
@@ -457,6 +514,10 @@ class Ledger:
         if task_id not in self._notices:
             what = "has no allocation" if task_id not in self._allocs else "was not asked to leave"
             raise Refused(ErrorCode.INVALID, f"task {task_id!r} {what}: there is nothing to yield")
+        self._budget.left = NOTICE_BATCH
+        n = self._notices[task_id]
+        if self._nobodys(n):  # its waiter gave up (its withdrawal not told yet): withdrawn, not carried out
+            return self._withdraw([task_id], now, rest=n.by != DRAIN)
         return self._take_back(task_id, now, overran=False)
 
     def protect(self, task_id: str, protected: bool) -> Allocation:
@@ -465,25 +526,24 @@ class Ledger:
         alloc = self._allocs.get(task_id)
         if alloc is None:
             raise Refused(ErrorCode.UNKNOWN_TASK, f"no allocation for task {task_id!r} (see gpuctl allocs)")
-        alloc = replace(alloc, protected=protected)
+        alloc = structs.replace(alloc, protected=protected)
         self._allocs[task_id] = alloc
         return alloc
 
     def drain(self, gpu: int, on: bool, now: int) -> list[LedgerEffect]:
-        """Drain a GPU (no new grants; ``advance`` tells its allocations to leave) or put it back,
-        withdrawing the drain's notices that still run."""
+        """Drain a GPU (no new grants; ``advance`` tells its allocations to leave, a batch at a time)
+        or put it back, withdrawing the drain's notices that still run (a batch now, the rest by
+        ``advance``) but those of allocations another of whose GPUs drains."""
         if gpu not in self._gpus:
             raise Refused(ErrorCode.UNKNOWN_GPU, f"unknown GPU {gpu}")
-        effects: list[LedgerEffect] = []
         if on:
             self._draining |= {gpu}
-            return effects
+            self._undraining -= {gpu}
+            return []
+        self._budget.left = NOTICE_BATCH
         self._draining -= {gpu}
-        for task_id, n in list(self._notices.items()):  # not while another of its GPUs drains
-            if n.reason == PreemptReason.DRAIN and gpu in n.gpus and not self._draining.intersection(n.gpus):
-                del self._notices[task_id]
-                effects.append(Withdrawn(self._allocs[task_id], n))
-        return effects + self._serve(now)
+        self._undraining |= {gpu}
+        return self._undrain(now) + self._serve(now)
 
     def checkpoint(self) -> Checkpoint:
         """A moment to ``rollback`` to if a change cannot be stored. From now on the journal saves
@@ -493,7 +553,7 @@ class Ledger:
 
     def _small(self) -> tuple[Any, ...]:
         frees = tuple(g.free for g in self._gpus.values())
-        rest = (self._draining, self._advanced_to, self._reserved)
+        rest = (self._draining, self._advanced_to, self._reserved, self._withdrawing, self._undraining, self._serving)
         return (frees, self._free_cpus, self._waiters, self._seq, self._rr_last, *rest)
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -501,7 +561,7 @@ class Ledger:
         what changed since: the journal puts back the old values, the index follows them."""
         keys = self._journal.undo(cp.epoch, cp.state)
         frees, self._free_cpus, self._waiters, self._seq, self._rr_last, *rest = cp.small
-        self._draining, self._advanced_to, self._reserved = rest
+        self._draining, self._advanced_to, self._reserved, self._withdrawing, self._undraining, self._serving = rest
         for g, free in zip(self._gpus.values(), frees):
             g.free = free
         for t in keys:
@@ -540,17 +600,17 @@ class Ledger:
         if rec.allocation is not None:
             alloc = rec.allocation
             if alloc.created_us > now:
-                alloc = replace(alloc, created_us=now, changed_us=min(alloc.changed_us, now))
+                alloc = structs.replace(alloc, created_us=now, changed_us=min(alloc.changed_us, now))
             self.restore(alloc)
             if rec.notice is not None:
                 n = rec.notice
                 if n.deadline > now + self.preemption.grace_us:
-                    n = replace(n, issued=now, deadline=now + self.preemption.grace_us)
+                    n = structs.replace(n, issued=now, deadline=now + self.preemption.grace_us)
                 self._notices[rec.task_id] = n
         elif rec.waiting is not None:
             # The cap is for requests (a suspended allocation is none), and those stored were admitted under
             # it: only a lowered cap refuses one.
-            requests = sum(1 for w in self._waiting.values() if w.suspended is None)
+            requests = len(self._waiters)
             full = rec.suspended is None and requests >= self._max_waiters
             if rec.task_id in self._waiting or full:
                 raise ValueError(f"stored wait of {rec.task_id!r} is there twice, or too many waits are stored")
@@ -559,8 +619,12 @@ class Ledger:
             # within reach of now: its own wait, or its victims' grace when that is longer (as ``_plan`` set it)
             reach = max(rec.waiting.wait_us, self.preemption.grace_us + 1) if rec.victims else rec.waiting.wait_us
             deadline = NEVER if rec.suspended is not None else min(rec.wait_deadline, now + reach)
+            seq = self._seq + 1
             self._enqueue(
-                _Waiter(rec.waiting, deadline, min(rec.wait_since, now), frozenset(rec.victims), rec.suspended), short
+                _Waiter(
+                    rec.waiting, deadline, min(rec.wait_since, now), tuple(sorted(rec.victims)), rec.suspended, seq=seq
+                ),
+                short,
             )
         if rec.allocation is None and rec.suspended is None and (rec.preemptions or rec.resume):
             self._history[rec.task_id] = (rec.preemptions, rec.resume)
@@ -610,7 +674,7 @@ class Ledger:
             waiting=w.request,
             wait_deadline=w.deadline,
             wait_since=w.since,
-            victims=tuple(sorted(w.victims)),
+            victims=w.victims,
             suspended=w.suspended,
             preemptions=pre,
             resume=resume,
@@ -626,34 +690,67 @@ class Ledger:
             self.preemption = preemption
 
     def advance(self, now: int) -> list[LedgerEffect]:
-        """Carry out notices whose grace ended, expire waiters whose deadline passed, tell
-        allocations on draining GPUs to leave, grow elastic allocations, and find victims for
-        waiters that do not fit."""
-        effects: list[LedgerEffect] = []
+        """Carry out notices whose grace ended, expire waiters whose deadline passed, withdraw
+        notices nobody needs, tell allocations on draining GPUs to leave, grow elastic allocations,
+        find victims for waiters that do not fit and tell them: at most ``NOTICE_BATCH`` notices
+        told, withdrawn or carried out in all, the rest at the next call."""
+        self._budget.left = NOTICE_BATCH
+        effects: list[LedgerEffect] = self._serve(now) if self._serving else []
         self._advanced_to = max(self._advanced_to, now)
-        for task_id in self._index.due_notices(now):  # the earliest deadline first
-            if task_id in self._notices and now >= self._notices[task_id].deadline:
+        for task_id in self._index.due_notices(now, NOTICE_BATCH):  # the earliest deadline first
+            n = self._notices.get(task_id)  # (one carried out may have served a waiter, withdrawing others)
+            if self._budget.left <= 0:
+                break
+            if n is None or now < n.deadline:
+                continue
+            if self._nobodys(n):
+                effects += self._withdraw([task_id], now, rest=n.by != DRAIN)
+            else:
+                self._budget.left -= 1
                 effects += self._take_back(task_id, now, overran=True)
         for task_id in self._index.due_waits(now):
             w = self._waiting.get(task_id)
-            if w is not None and now >= w.deadline and not self._victims_running(w):
+            if w is not None and now >= w.deadline and not self._leaving(w):
                 why = self._why[task_id]
                 effects += self._unwait(task_id, now)
                 effects.append(Expired(task_id, why))
-        for task_id in self._index.due_immunities(now):
-            del self._immune[task_id]
-        effects += self._drain_notices(now)
-        effects += self._grow(now)
-        effects += self._shrink_idle(now)
-        effects += self._plan(now)
-        return effects
+        if (first := self._index.first_immunity()) is not None and first <= now:
+            for task_id in self._index.due_immunities(now, IMMUNITY_BATCH):
+                del self._immune[task_id]
+        if self._index.told or self._withdrawing:
+            effects += self._withdraw_left(now)
+        effects += self._undrain(now)
+        if self._draining:
+            effects += self._drain_notices(now)
+        if self._index.elastic:
+            effects += self._grow(now)
+            effects += self._shrink_idle(now)
+        first = self._index.first_immunity()  # victims are chosen among all who may be: none left immune
+        return effects + self._plan(now, choose=first is None or first > now)
 
     def next_deadline(self) -> int | None:
         times = self._index.first_deadlines()  # of notices and waits
         times += [self._grow_at(t) for t in self._grow_since]
         times += self._maturities()
         times += self._idle_times()
+        if self._batches_left():
+            times.append(self._advanced_to)
         return min(times, default=None)
+
+    def _batches_left(self) -> bool:
+        """Whether work waits for the next ``advance``: victims to tell, notices to withdraw,
+        allocations on draining GPUs to tell, immunities to forget."""
+        index = self._index
+        if index.chosen or self._withdrawing or self._undraining or self._serving:
+            return True
+        if index.told and any(by != IDLE and by not in self._waiting for by in index.told):
+            return True
+        if (first := index.first_immunity()) is not None and first <= self._advanced_to:
+            return True
+        untold = index.untold
+        return bool(self._draining) and any(
+            any(map(self.reachable.__contains__, untold.get(g, ()))) for g in self._draining
+        )
 
     # --- reading ------------------------------------------------------------
 
@@ -690,13 +787,22 @@ class Ledger:
             if w.suspended is not None:
                 continue
             why = self._why[t].message
-            if w.victims:
-                why = "waits for " + ", ".join(sorted(w.victims)) + " to leave (their grace runs)"
+            if w.victims or w.plan:
+                why = _waits_for(w)
             out.append((w.request, w.since, why))
         return out
 
     def suspended(self) -> list[Allocation]:
+        """The suspended allocations (a walk: see ``suspended_of`` and ``suspended_count``)."""
         return [w.suspended for w in self._waiting.values() if w.suspended is not None]
+
+    def suspended_of(self, task_id: str) -> Allocation | None:
+        """The task's allocation if it is suspended (waits for its GPUs), in O(1)."""
+        w = self._waiting.get(task_id)
+        return None if w is None else w.suspended
+
+    def suspended_count(self) -> int:
+        return len(self._index.parked_order)
 
     def notice_of(self, task_id: str) -> Notice | None:
         return self._notices.get(task_id)
@@ -802,7 +908,7 @@ class Ledger:
             changed_us=now,
         )
         if suspended is not None:  # the same allocation, its devices back
-            alloc = replace(suspended, cpus=tuple(cpus), changed_us=now)
+            alloc = structs.replace(suspended, cpus=tuple(cpus), changed_us=now)
         if req.strategy == Strategy.ROUND_ROBIN and gpus:
             self._rr_last = gpus[-1]
         self._history.pop(req.task_id, None)
@@ -888,6 +994,11 @@ class Ledger:
             and not self._kept_from(g.spec.index, req)
         ]
 
+    def _waits_at(self, priority: int, *, but: str = "") -> bool:
+        """Whether a waiter of ``priority`` or higher waits (``but`` not counted)."""
+        firsts = [*self._waiters[:2], *islice(self._index.parked_order, 2)]
+        return any(-p >= priority and t != but for p, _, t in firsts)
+
     def _kept_from(self, gpu: int, req: Request) -> bool:
         waiter = self._waiting.get(self._reserved.get(gpu, ""))
         return waiter is not None and waiter.request.task_id != req.task_id and waiter.request.priority >= req.priority
@@ -903,7 +1014,7 @@ class Ledger:
             free = [g for g in gpus if g.free == UNIT]
             if len(free) < need:
                 raise Insufficient("gpus", f"{need} whole GPU(s) asked, {len(free)} entirely free now")
-            if req.gpus_max and not any(-p >= req.priority for p, _, t in self._waiters if t != req.task_id):
+            if req.gpus_max and not self._waits_at(req.priority, but=req.task_id):
                 # elastic: what is free, up to its maximum and what its tenant may still use
                 need = max(need, min(req.gpus_max, len(free), self._tenant_room(req.tenant) // UNIT))
             return [g.spec.index for g in self._order(free, req)[:need]]
@@ -931,17 +1042,24 @@ class Ledger:
         return (local + rest)[:count]
 
     def _enqueue(self, w: _Waiter, why: Insufficient) -> None:
+        """``w`` (its ``seq`` the next) waits: its place in the queue is (-priority, seq)."""
+        self._seq += 1
+        assert w.seq == self._seq
         self._waiting[w.request.task_id] = w
         self._why[w.request.task_id] = why
-        self._seq += 1
-        self._waiters = sorted([*self._waiters, (-w.request.priority, self._seq, w.request.task_id)])
+        if w.suspended is None:  # (a suspended allocation is queued by the index)
+            waiters = list(self._waiters)  # a copy: a checkpoint holds the list it saw
+            insort(waiters, (-w.request.priority, self._seq, w.request.task_id))
+            self._waiters = waiters
 
     def _unwait(self, task_id: str, now: int) -> list[LedgerEffect]:
-        """Out of the queue; the notices it caused are withdrawn (their victims then rest a while)."""
+        """Out of the queue; the notices it caused are withdrawn (their victims then rest a while),
+        those over this call's batch by the next calls; it tells no more of its plan."""
         w = self._waiting.pop(task_id)
         del self._why[task_id]
-        self._waiters = [x for x in self._waiters if x[2] != task_id]
-        if w.suspended is not None:
+        if w.suspended is None:
+            self._waiters = [x for x in self._waiters if x[2] != task_id]
+        else:
             self._history.pop(task_id, None)
         kept = len(self._reserved)
         effects = self._withdraw_for(w, now)
@@ -950,21 +1068,76 @@ class Ledger:
         return effects
 
     def _withdraw_for(self, w: _Waiter, now: int) -> list[LedgerEffect]:
-        """The notices given for ``w`` that still run are withdrawn: it gave up, or it was served
-        without them. Their victims are not chosen again for a while (no thrash)."""
-        effects: list[LedgerEffect] = []
-        self._reserved = {g: t for g, t in self._reserved.items() if t != w.request.task_id}
-        for v in sorted(w.victims):
-            n = self._notices.get(v)
-            if n is not None and n.by == w.request.task_id:
-                del self._notices[v]
-                self._immune[v] = now + self.preemption.cooldown_us
-                effects.append(Withdrawn(self._allocs[v], n))
+        """The notices given for ``w`` (no longer waiting) that still run are withdrawn: it gave up,
+        or it was served without them; those over this call's batch by the next calls. Their victims
+        are not chosen again for a while (no thrash)."""
+        t = w.request.task_id
+        self._reserved = {g: x for g, x in self._reserved.items() if x != t}
+        told = self._index.told.get(t)
+        effects = self._withdraw(list(islice(told, max(0, self._budget.left))), now) if told else []
+        if t in self._index.told:
+            self._withdrawing |= {t}
         return effects
 
-    def _victims_running(self, w: _Waiter) -> bool:
-        """Whether a notice given for ``w`` still runs: it waits at least until they end."""
-        return any(v in self._notices and self._notices[v].by == w.request.task_id for v in w.victims)
+    def _withdraw(self, ids: Iterable[str], now: int, *, rest: bool = True) -> list[LedgerEffect]:
+        """These notices are withdrawn (``rest``: their allocations are not chosen again for a while)."""
+        effects: list[LedgerEffect] = []
+        for v in ids:
+            n = self._notices.pop(v)
+            if rest:
+                self._immune[v] = now + self.preemption.cooldown_us
+            effects.append(Withdrawn(self._allocs[v], n))
+            self._budget.left -= 1
+        return effects
+
+    def _nobodys(self, n: Notice) -> bool:
+        """Whether a notice is to be withdrawn (a later batch will): its waiter gave up or is not
+        there after a restart, or none of the GPUs its drain names drains any more."""
+        if n.by == DRAIN:
+            return not self._draining.intersection(n.gpus)
+        return n.by != IDLE and (n.by not in self._waiting or n.by in self._withdrawing)
+
+    def _withdraw_left(self, now: int) -> list[LedgerEffect]:
+        """The next batch of notices whose waiter is gone."""
+        effects: list[LedgerEffect] = []
+        told = self._index.told
+        for by in sorted(told):
+            if self._budget.left <= 0:
+                break
+            if by != IDLE and (by not in self._waiting or by in self._withdrawing):
+                effects += self._withdraw(list(islice(told[by], self._budget.left)), now)
+        if self._withdrawing:
+            self._withdrawing = frozenset(b for b in self._withdrawing if b in told)
+        return effects
+
+    def _undrain(self, now: int) -> list[LedgerEffect]:
+        """The next batch of the drain notices of GPUs put back (but those another of whose GPUs
+        drains). A GPU stays listed until a batch finds fewer than it could take."""
+        effects: list[LedgerEffect] = []
+        if not self._undraining:
+            return effects
+        left: set[int] = set()
+        for g in sorted(self._undraining):
+            want = self._budget.left
+            on = self._index.drain_on.get(g)
+            if want <= 0:
+                left.add(g)
+                continue
+            picked = [] if on is None else list(islice(self._undrained(on), want))
+            effects += self._withdraw(picked, now, rest=False)
+            if len(picked) == want:
+                left.add(g)
+        self._undraining = frozenset(left)
+        return effects
+
+    def _undrained(self, on: Iterable[str]) -> Iterable[str]:
+        return (t for t in on if not self._draining.intersection(self._notices[t].gpus))
+
+    def _leaving(self, w: _Waiter) -> bool:
+        """Whether ``w`` waits for victims: some of its plan are still to be told, or a notice given
+        for it still runs (or one given for an earlier wait of its task id, still to be withdrawn).
+        It waits at least until they end, and chooses no more meanwhile."""
+        return bool(w.plan) or w.request.task_id in self._index.told
 
     def _remember(self, alloc: Allocation) -> None:
         """A whole preemption: the task's next allocation hears of it."""
@@ -981,7 +1154,7 @@ class Ledger:
             self._reserved = {**self._reserved, **{g: n.by for g in n.gpus}}
         if not n.whole:
             self._drop(alloc)
-            after = replace(alloc, gpus=tuple(g for g in alloc.gpus if g not in n.gpus), changed_us=now)
+            after = structs.replace(alloc, gpus=tuple(g for g in alloc.gpus if g not in n.gpus), changed_us=now)
             self._commit(after)
             return [TakenBack(alloc, n, after, False, overran), *self._serve(now)]
         self._drop(alloc)
@@ -999,41 +1172,82 @@ class Ledger:
                 protected=alloc.protected,
                 pinned=alloc.gpus,  # exactly these GPUs: no elastic range (its terms are the allocation's)
             )
-            held = replace(alloc, preemptions=alloc.preemptions + 1, resume=True)
-            self._enqueue(_Waiter(req, NEVER, now, suspended=held), Insufficient("gpus", "suspended"))
+            held = structs.replace(alloc, preemptions=alloc.preemptions + 1, resume=True)
+            self._enqueue(
+                _Waiter(req, NEVER, now, suspended=held, seq=self._seq + 1), Insufficient("gpus", "suspended")
+            )
         else:
             self._remember(alloc)
         return effects + self._serve(now)
 
     def _serve(self, now: int) -> list[LedgerEffect]:
-        """Grant waiters in priority order, each as soon as it fits."""
+        """Grant waiters in priority order, each as soon as it fits: the requests, and of the suspended
+        allocations those whose GPUs have room for them now (the others would not fit). At most this
+        call's batch are served; when it is spent, the next call looks again (``_serving``)."""
         effects: list[LedgerEffect] = []
-        for _, _, task_id in list(self._waiters):
-            w = self._waiting[task_id]
-            try:
-                alloc = self._place(w.request, now, w.suspended)
-            except Insufficient as short:
-                self._why[task_id] = short  # not durable: kept apart from the wait, whose record it would touch
-                continue
-            del self._waiting[task_id]
-            del self._why[task_id]
-            self._waiters = [x for x in self._waiters if x[2] != task_id]
-            effects.append(Served(alloc, resumed=w.suspended is not None))
-            effects += self._withdraw_for(w, now)  # served before all its victims left: they may stay
+        self._serving = False
+        again = bool(self._waiters or self._index.parked)
+        while again:  # once more when one served leaves GPUs it kept open to the others
+            again = False
+            seen: set[str] = set()
+            parked = self._parked_with_room() if self._index.parked else []
+            for _, _, task_id in merge(list(self._waiters), *parked) if parked else list(self._waiters):
+                if task_id in seen or (w := self._waiting.get(task_id)) is None:
+                    continue  # (a suspended allocation waiting for two GPUs is read on each)
+                seen.add(task_id)
+                if self._budget.left <= 0:
+                    self._serving = True
+                    return effects
+                try:
+                    alloc = self._place(w.request, now, w.suspended)
+                except Insufficient as short:
+                    self._why[task_id] = short  # not durable: kept apart from the wait, whose record it would touch
+                    continue
+                del self._waiting[task_id]
+                del self._why[task_id]
+                if w.suspended is None:
+                    self._waiters = [x for x in self._waiters if x[2] != task_id]
+                self._budget.left -= 1
+                effects.append(Served(alloc, resumed=w.suspended is not None))
+                kept = len(self._reserved)
+                effects += self._withdraw_for(w, now)  # served before all its victims left: they may stay
+                if len(self._reserved) < kept:
+                    again = True
+                    break
         return effects
+
+    def _parked_with_room(self) -> list[Iterator[Queued]]:
+        """The suspended allocations that may fit now, per GPU they wait for and share they need, each
+        in queue order: only on a GPU that is not draining, with room for the share, and not kept from
+        them for a waiter of their priority or higher. Read as they are served (the index changes)."""
+        out: list[Iterator[Queued]] = []
+        for g, by_share in self._index.parked.items():
+            gpu = self._gpus.get(g)
+            if gpu is None or g in self._draining:
+                continue
+            keeper = self._waiting.get(self._reserved.get(g, ""))
+            cut = -keeper.request.priority if keeper is not None else None  # (-priority) from here on: kept from
+            out += [_read_on(keys, gpu, share, cut) for share, keys in by_share.items() if share <= gpu.free]
+            if keeper is not None and keeper.suspended is not None and g in keeper.request.pinned:
+                out.append(
+                    iter([(-keeper.request.priority, keeper.seq, keeper.request.task_id)])
+                )  # not kept from itself
+        return out
 
     # --- taking back ---------------------------------------------------------
 
     def _drain_notices(self, now: int) -> list[LedgerEffect]:
+        """The next batch of the allocations on draining GPUs that can be told, by task id."""
         effects: list[LedgerEffect] = []
         for gpu in sorted(self._draining):
-            for task_id in list(self._gpus[gpu].tasks):
-                if task_id in self._notices or task_id not in self.reachable:
-                    continue
+            untold = self._index.untold.get(gpu)
+            if self._budget.left <= 0 or untold is None:
+                continue
+            for task_id in list(islice(filter(self.reachable.__contains__, untold), self._budget.left)):
                 alloc = self._allocs[task_id]
                 whole = gpu not in alloc.extras
                 gpus = alloc.gpus if whole else (gpu,)
-                effects += self._notice(alloc, PreemptReason.DRAIN, gpus, whole, "drain", now)
+                effects += self._notice(alloc, PreemptReason.DRAIN, gpus, whole, DRAIN, now)
         return effects
 
     def _notice(
@@ -1042,6 +1256,7 @@ class Ledger:
         n = Notice(alloc.task_id, reason, gpus, whole, now, now + self.preemption.grace_us, by)
         self._notices[alloc.task_id] = n
         self._grow_since.pop(alloc.task_id, None)
+        self._budget.left -= 1
         return [Noticed(alloc, n)]
 
     def _eligible(self, alloc: Allocation) -> bool:
@@ -1053,10 +1268,14 @@ class Ledger:
             and alloc.task_id not in self._immune
         )
 
+    def _choosable(self, alloc: Allocation) -> bool:
+        """Eligible, and not planned for a waiter already."""
+        return self._eligible(alloc) and alloc.task_id not in self._index.chosen
+
     def _maturities(self) -> list[int]:
         """When allocations reach their minimum runtime, while some waiter may want them. Only those
         still to come: one already past is no reason to wake (the timer would wake again at once)."""
-        if not any(w.suspended is None and not self._victims_running(w) for w in self._waiting.values()):
+        if not any(not self._leaving(self._waiting[t]) for _, _, t in self._waiters):  # (the requests)
             return []
         at = [
             self._index.first_maturity(self._advanced_to, self.preemption.min_runtime_us),
@@ -1064,25 +1283,89 @@ class Ledger:
         ]
         return [t for t in at if t is not None]
 
-    def _plan(self, now: int) -> list[LedgerEffect]:
-        """Victims for each waiter (highest priority first) that has none and does not fit."""
+    def _plan(self, now: int, *, choose: bool) -> list[LedgerEffect]:
+        """Each waiter, highest priority first: victims chosen at once when it has none and does not
+        fit (``choose``: no immunity is left to forget), then the next batch of its plan told (a
+        victim no longer to be taken as planned is skipped: it left, was told by a drain...)."""
         effects: list[LedgerEffect] = []
-        if not self.preemption.enabled:
+        choose = choose and self.preemption.enabled
+        if not choose and not self._index.chosen:  # (every victim planned is chosen until told)
             return effects
-        for _, _, task_id in list(self._waiters):
+        parked = self._parked_planning(choose)
+        if not self._waiters and not parked:
+            return effects
+        for _, _, task_id in merge(list(self._waiters), sorted(parked)) if parked else list(self._waiters):
             w = self._waiting.get(task_id)
-            if w is None or self._victims_running(w):
+            if w is None:
                 continue
-            victims = self._victims_for(w.request, now)
-            if not victims:
-                continue
-            for c in victims:
-                effects += self._notice(self._allocs[c.task_id], c.reason, c.gpus, c.whole, task_id, now)
-            deadline = max(w.deadline, now + self.preemption.grace_us + 1)
-            self._waiting[task_id] = replace(w, victims=frozenset(c.task_id for c in victims), deadline=deadline)
+            plan, how, victims, deadline = w.plan, w.how, w.victims, w.deadline
+            if choose and not self._leaving(w) and (chosen := self._victims_for(w.request, now)):
+                plan, how = _planned(chosen)
+                victims, deadline = (), max(w.deadline, now + self.preemption.grace_us + 1)
+            read, told = self._tell(task_id, plan, how, now) if plan and self._budget.left > 0 else (0, [])
+            effects += told
+            if told:  # it waits at least until their grace ends (its own wait does not expire meanwhile)
+                victims = tuple(sorted(victims + tuple(e.allocation.task_id for e in told if isinstance(e, Noticed))))
+                deadline = max(deadline, now + self.preemption.grace_us + 1)
+            if plan is not w.plan or read:
+                rest = plan[read:]
+                w = replace(w, plan=rest, how=how if rest else (), victims=victims, deadline=deadline)
+                self._waiting[task_id] = w
         return effects
 
-    def _victims_for(self, req: Request, now: int) -> list[Candidate]:
+    def _parked_planning(self, choose: bool) -> set[Queued]:
+        """The suspended allocations that have victims to tell, or (``choose``) may take some back: a
+        lower priority on a GPU they wait for or holding CPU cores, an elastic allocation's extras of
+        their priority or lower, or (with tenants, one over its quota) borrowed quota. Not a walk over
+        them all: a few more than may, never fewer."""
+        index = self._index
+        if not index.parked_order:
+            return set()
+        waiting = self._waiting
+        out = {(-w.request.priority, w.seq, t) for t in index.planning if (w := waiting[t]).suspended is not None}
+        if not choose:
+            return out
+        if self._tenants and any(self.tenant_usage(t) > q.gpus for t, q in self._tenants.items()):
+            return out | set(index.parked_order)  # (quota reclaimed: rare, read them all)
+        extras = [a.priority for t in index.elastic if (a := self._allocs[t]).extras]
+        if extras:  # priorities from the highest down to the lowest with extras
+            out.update(_above(index.parked_order, min(extras) - 1))
+        if index.cpu_holders:  # (at most the node's cores)
+            out.update(_above(index.parked_order, min(self._allocs[t].priority for t in index.cpu_holders)))
+        for g, by_share in index.parked.items():
+            lowest = min((k[2] for k in index._lower.get(g, {})), default=None)
+            if lowest is not None:
+                for keys in by_share.values():
+                    out.update(_above(keys, lowest))
+        return out
+
+    def _tell(
+        self, task_id: str, plan: tuple[str, ...], how: tuple[Candidate, ...], now: int
+    ) -> tuple[int, list[LedgerEffect]]:
+        """The next batch of a waiter's plan told: how many of the plan were read, and the notices."""
+        effects: list[LedgerEffect] = []
+        taken = {c.task_id: c for c in how}
+        read = 0
+        for t in plan:
+            if self._budget.left <= 0 or read >= PLAN_READ:
+                break
+            read += 1
+            if (c := self._still_victim(t, taken.get(t))) is not None:
+                effects += self._notice(self._allocs[t], c.reason, c.gpus, c.whole, task_id, now)
+        return read, effects
+
+    def _still_victim(self, t: str, planned: Candidate | None) -> Candidate | None:
+        """A planned victim as it is to be told now; None: it is no longer to be taken as planned."""
+        a = self._allocs.get(t)
+        if a is None or not self._eligible(a):
+            return None
+        if planned is None:
+            return as_victim(a, PreemptReason.PRIORITY, a.gpus)
+        if planned.whole:
+            return planned if a.gpus == planned.gpus else None
+        return planned if set(planned.gpus) <= set(a.extras) else None
+
+    def _victims_for(self, req: Request, now: int) -> list[Victim]:
         open_gpus = self._open_gpus(req)
         room = Room({g.spec.index: g.free for g in open_gpus}, len(self._free_cpus))
         need = Need(req.gpus if not req.pinned else len(req.pinned) * min(req.gpus, UNIT), req.cpus)
@@ -1101,11 +1384,12 @@ class Ledger:
         if req.tenant is None:
             return _one_per_task(choose(need, room, pools, None))
 
-        def tenant_ok(victims: Sequence[Candidate]) -> bool:
+        def tenant_ok(victims: Sequence[Victim]) -> bool:
             minus: dict[str, int] = {}
             for c in victims:
-                if c.tenant is not None:
-                    minus[c.tenant] = minus.get(c.tenant, 0) + c.units
+                for tenant, units in c.tenants().items() if isinstance(c, Chunk) else ((c.tenant, c.units),):
+                    if tenant is not None:
+                        minus[tenant] = minus.get(tenant, 0) + units
             try:
                 self._check_tenant(req, minus)
             except Insufficient:
@@ -1120,7 +1404,7 @@ class Ledger:
         out = []
         for t in self._index.elastic:
             a = self._allocs[t]
-            if a.extras and a.priority <= priority and self._eligible(a):
+            if a.extras and a.priority <= priority and self._choosable(a):
                 out.append(as_victim(a, PreemptReason.ELASTIC, a.extras))
         return out
 
@@ -1133,7 +1417,7 @@ class Ledger:
             over = self.tenant_usage(tenant) - quota.gpus
             for t in self._index.newest_of(tenant) if over > 0 else ():
                 a = self._allocs[t]
-                if self._eligible(a) and a.on_preempt != Recovery.SHRINK:
+                if self._choosable(a) and a.on_preempt != Recovery.SHRINK:
                     out.append(as_victim(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
                 over -= a.total
                 if over <= 0:
@@ -1170,7 +1454,7 @@ class Ledger:
                 continue
             at = self._through_window(self._idle_since, a.gpus)
             if at is not None and now >= max(at, a.changed_us + self.preemption.elastic_cooldown_us):
-                effects += self._notice(a, PreemptReason.ELASTIC, a.extras, False, "idle", now)
+                effects += self._notice(a, PreemptReason.ELASTIC, a.extras, False, IDLE, now)
         return effects
 
     def _idle_times(self) -> list[int]:
@@ -1197,7 +1481,7 @@ class Ledger:
                 continue
             free = [g.spec.index for g in self._gpus.values() if g.free == UNIT and g.spec.index not in self._draining]
             free = free[: min(a.gpus_max - len(a.gpus), self._tenant_room(a.tenant) // UNIT)]
-            waits = any(-p >= a.priority for p, _, _ in self._waiters)
+            waits = self._waits_at(a.priority)
             if not free or waits:
                 self._grow_since.pop(a.task_id, None)
                 continue
@@ -1206,7 +1490,7 @@ class Ledger:
                 continue
             del self._grow_since[a.task_id]
             self._drop(a)
-            grown = replace(a, gpus=a.gpus + tuple(free), changed_us=now)
+            grown = structs.replace(a, gpus=a.gpus + tuple(free), changed_us=now)
             self._commit(grown)
             effects.append(Grown(grown))
         return effects
@@ -1226,11 +1510,69 @@ class Ledger:
         return at
 
 
-def _one_per_task(chosen: list[Candidate]) -> list[Candidate]:
-    """An allocation chosen for its extras and then whole is told once, whole."""
+def _one_per_task(chosen: list[Victim]) -> list[Victim]:
+    """An allocation chosen for its extras and then whole is told once, whole (a chunk's are whole
+    fractions: never chosen for extras)."""
     by_task: dict[str, Candidate] = {}
+    order: list[str | Chunk] = []
     for c in chosen:
-        held = by_task.get(c.task_id)
-        if held is None or c.whole:
+        if isinstance(c, Chunk):
+            order.append(c)
+            continue
+        if c.task_id not in by_task:
+            order.append(c.task_id)
+        if c.task_id not in by_task or c.whole:
             by_task[c.task_id] = c
-    return list(by_task.values())
+    return [by_task[x] if isinstance(x, str) else x for x in order]
+
+
+def _read_on(keys: Any, gpu: _Gpu, share: int, cut: int | None) -> Iterator[Queued]:
+    """Suspended allocations waiting for ``gpu`` with ``share`` (a ``SortedKeys`` of their places), in
+    order, while it has room for that share and until those it is kept from: read a few at a time
+    after the last one read, so that serving them (which takes them out) does not disturb it."""
+    last: Queued | None = None
+    while True:
+        ahead = list(islice(keys.after(last) if last is not None else iter(keys), 16))
+        for queued in ahead:
+            if gpu.free < share or (cut is not None and queued[0] >= cut):
+                return
+            yield queued
+        if len(ahead) < 16:
+            return
+        last = ahead[-1]
+
+
+def _above(keys: Iterable[Queued], priority: int) -> Iterator[Queued]:
+    """The places in ``keys`` (in queue order) of the waiters of a priority above ``priority``."""
+    for queued in keys:
+        if -queued[0] <= priority:
+            return
+        yield queued
+
+
+def _planned(victims: list[Victim]) -> tuple[tuple[str, ...], tuple[Candidate, ...]]:
+    """A plan: the victims' task ids in the order they are told, and how those not taken whole for
+    priority are taken (the rest are read again when told)."""
+    ids: list[str] = []
+    how: list[Candidate] = []
+    for v in victims:
+        if isinstance(v, Chunk):
+            ids += v.ids()
+            continue
+        ids.append(v.task_id)
+        if v.reason != PreemptReason.PRIORITY or not v.whole:
+            how.append(v)
+    return tuple(ids), tuple(how)
+
+
+def _waits_for(w: _Waiter) -> str:
+    """Why a waiter with victims waits (a few of them named: it may have thousands)."""
+    names = w.victims
+    if len(names) > 8:
+        told = f"{len(names)} allocations ({', '.join(names[:3])}, ...)"
+    else:
+        told = ", ".join(names)
+    if not told:
+        return f"waits for {len(w.plan)} allocations to be told to leave"
+    more = f"; {len(w.plan)} more to be told" if w.plan else ""
+    return f"waits for {told} to leave (their grace runs){more}"

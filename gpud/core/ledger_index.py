@@ -11,8 +11,24 @@ nothing). Kept, in ``SortedKeys`` or ``ByTime`` (a change costs O(log n), read o
 - when allocations of priority above 0 were made: when the next reaches its minimum runtime;
 - per GPU and (units, share, priority), the allocations a request may take back whole, newest
   first: victim selection reads only the cheapest few, skipping the immature (``VictimPool``);
+- per GPU, how many allocations hold it, how many of them are immune, their units per tenant, and
+  those without a notice by task id: whether a GPU can be emptied is counted, not walked, and a
+  drain tells the next few;
+- the running notices by the waiter they were given for, and a drain's by the GPUs they name; the
+  victims planned for each waiter and not told yet (nobody else may choose them), and the waiters
+  with such a plan: batches read on;
+- the suspended allocations waiting for their GPUs (uncapped: thousands of victims may suspend), in
+  the queue's order, and per GPU they wait for and share they need: serving reads only those whose
+  GPU has room for them;
 - deadlines of notices, waits and immunities (``advance`` and ``next_deadline`` read the first);
 - the allocations that hold CPU cores (at most the node's cores) and the elastic ones.
+
+``VictimPool`` reads in bulk what a choice takes by the thousand (``preemption.Chunk``): whether a
+GPU can be emptied from its counts (a walk in C only for the GPU chosen: reachable, not planned for
+another waiter), and a group's first or last few as task ids filtered in C.
+
+The facts kept per task (``_Facts``) hold no reference cycle, so the garbage collector does not
+track them: 20 000 allocations do not lengthen its full collections.
 
 Never: decide anything (the rules are the ledger's and ``gpud.core.preemption``'s); read another
 task's facts while indexing one; be read between a change of the ledger's dicts and its ``update``.
@@ -20,12 +36,18 @@ task's facts while indexing one; be read between a change of the ledger's dicts 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
+from itertools import filterfalse, islice
+from operator import itemgetter
+from typing import Any, Protocol
 
-from gpud.core.preemption import Candidate, Group, GroupKey
+import msgspec
+
+import gpud.core.preemption as preemption
+from gpud.core.preemption import Candidate, Chunk, Group, GroupKey, in_order, nothing_on
 from gpud.core.sortedkeys import ByTime, SortedKeys
-from gpud_client.protocol import PreemptReason, Recovery
+from gpud_client.protocol import PreemptReason, PreemptStrategy, Recovery
+from gpud_client.units import GPU_UNIT as UNIT
 
 
 class _Alloc(Protocol):
@@ -55,16 +77,43 @@ class _Alloc(Protocol):
     def total(self) -> int: ...
 
 
-class _Deadline(Protocol):
+class _Told(Protocol):
+    """What the index reads of a ``gpud.core.ledger.Notice``."""
+
     @property
     def deadline(self) -> int: ...
+    @property
+    def by(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+
+
+class _Request(Protocol):
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def pinned(self) -> tuple[int, ...]: ...
 
 
 class _Wait(Protocol):
     @property
+    def request(self) -> _Request: ...
+    @property
     def deadline(self) -> int: ...
     @property
     def suspended(self) -> object | None: ...
+    @property
+    def plan(self) -> tuple[str, ...]: ...
+    @property
+    def seq(self) -> int: ...
+
+
+Queued = tuple[int, int, str]  # (-priority, seq, task id): a waiter's place in the queue
+
+
+DRAIN = "drain"  # the ``by`` of a drain's notices
 
 
 def as_victim(a: _Alloc, reason: PreemptReason, gpus: tuple[int, ...]) -> Candidate:
@@ -74,15 +123,18 @@ def as_victim(a: _Alloc, reason: PreemptReason, gpus: tuple[int, ...]) -> Candid
     )
 
 
-class _Facts(NamedTuple):
-    alloc: _Alloc | None
-    notice_deadline: int | None
+class _Facts(msgspec.Struct, frozen=True, gc=False):
+    alloc: Any  # _Alloc | None
+    notice: Any  # _Told | None
     immune_until: int | None
     wait_deadline: int | None  # None: no wait, or one without a deadline
     suspended: bool
+    plan: tuple[str, ...] = ()  # a waiter's victims not told yet
+    parked: Any = None  # a suspended allocation's wait: ((-priority, seq, task id), share, pinned GPUs)
 
 
 _NONE = _Facts(None, None, None, None, False)
+_second = itemgetter(1)
 
 
 def _lower(a: _Alloc) -> bool:
@@ -100,7 +152,6 @@ class LedgerIndex:
         "_waiting",
         "_never",
         "_facts",
-        "_made",
         "listed",
         "_tenant_used",
         "_by_tenant",
@@ -111,12 +162,23 @@ class LedgerIndex:
         "_notice_due",
         "_wait_due",
         "_immune_due",
+        "held_on",
+        "untold",
+        "immune_on",
+        "tenant_on",
+        "told",
+        "drain_on",
+        "chosen",
+        "planning",
+        "parked",
+        "parked_order",
+        "reads",
     )
 
     def __init__(
         self,
         allocs: Mapping[str, _Alloc],
-        notices: Mapping[str, _Deadline],
+        notices: Mapping[str, _Told],
         immune: Mapping[str, int],
         waiting: Mapping[str, _Wait],
         never: int,
@@ -124,7 +186,7 @@ class LedgerIndex:
         self._allocs, self._notices, self._immune, self._waiting = allocs, notices, immune, waiting
         self._never = never
         self._facts: dict[str, _Facts] = {}
-        self._made: dict[str, tuple[_Alloc, Candidate]] = {}  # each allocation as a whole victim, made once
+        self.reads = 0  # allocations made into candidates: what choosing read
         self.listed: SortedKeys[str] = SortedKeys()
         self._tenant_used: dict[str, int] = {}
         self._by_tenant: dict[str, SortedKeys[tuple[int, str]]] = {}  # (-created, task id)
@@ -136,6 +198,16 @@ class LedgerIndex:
         self._notice_due = ByTime()
         self._wait_due = ByTime()
         self._immune_due = ByTime()
+        self.held_on: dict[int, int] = {}  # gpu -> how many allocations hold it
+        self.untold: dict[int, SortedKeys[str]] = {}  # gpu -> its allocations without a notice
+        self.immune_on: dict[int, int] = {}  # gpu -> how many of its allocations are immune
+        self.tenant_on: dict[int, dict[str, int]] = {}  # gpu -> tenant -> units its allocations hold
+        self.told: dict[str, SortedKeys[str]] = {}  # waiter (or "idle") -> the allocations told for it
+        self.drain_on: dict[int, SortedKeys[str]] = {}  # gpu -> the allocations a drain's notice names it for
+        self.chosen: dict[str, str] = {}  # victim planned, not told yet -> its waiter
+        self.planning: dict[str, None] = {}  # the waiters with victims planned, not told yet
+        self.parked_order: SortedKeys[Queued] = SortedKeys()  # the suspended allocations waiting, in order
+        self.parked: dict[int, dict[int, SortedKeys[Queued]]] = {}  # gpu -> share -> those waiting for it
 
     def __repr__(self) -> str:
         return "<ledger index>"  # derived, not state
@@ -145,9 +217,12 @@ class LedgerIndex:
         n = self._notices.get(t)
         w = self._waiting.get(t)
         wait = None if w is None or w.deadline >= self._never else w.deadline
-        facts = _Facts(
-            a, None if n is None else n.deadline, self._immune.get(t), wait, w is not None and w.suspended is not None
-        )
+        suspended = w is not None and w.suspended is not None
+        parked = None
+        if w is not None and suspended:
+            r = w.request
+            parked = ((-r.priority, w.seq, t), min(r.gpus, UNIT), r.pinned)
+        facts = _Facts(a, n, self._immune.get(t), wait, suspended, () if w is None else w.plan, parked)
         old = self._facts.get(t, _NONE)
         if old.alloc is a:
             if old == facts:
@@ -155,7 +230,6 @@ class LedgerIndex:
             self._put_told(t, old, facts)  # the same allocation told, or no longer: the common change
         else:
             self._put(t, old, -1)
-            self._made.pop(t, None)
             self._put(t, facts, 1)
         if facts == _NONE:
             self._facts.pop(t, None)
@@ -195,19 +269,62 @@ class LedgerIndex:
                     put(group, (-a.created_us, t))
                     if not group:
                         del groups[key]
-        for due, at in ((self._notice_due, f.notice_deadline), (self._wait_due, f.wait_deadline)):
-            if at is not None:
-                put_at(due, at)
+            for g in a.gpus:
+                _count(self.held_on, g, sign)
+                if a.tenant is not None:
+                    _count(self.tenant_on.setdefault(g, {}), a.tenant, sign * a.share)
+                    if not self.tenant_on[g]:
+                        del self.tenant_on[g]
+            if f.notice is None:
+                self._put_untold(t, a, add)
+            if f.immune_until is not None:
+                for g in a.gpus:
+                    _count(self.immune_on, g, sign)
+        if f.notice is not None:
+            self._put_notice(t, f.notice, add)
+        if f.plan:
+            self._put_plan(t, f.plan if add else (), () if add else f.plan)
+            if add:
+                self.planning[t] = None
+            else:
+                del self.planning[t]
+        if f.parked is not None:
+            self._put_parked(f.parked, add)
+        if f.notice is not None:
+            put_at(self._notice_due, f.notice.deadline)
+        if f.wait_deadline is not None:
+            put_at(self._wait_due, f.wait_deadline)
         if f.immune_until is not None:
             put_at(self._immune_due, f.immune_until)
 
     def _put_told(self, t: str, old: _Facts, new: _Facts) -> None:
-        """The allocation (or the wait) is the same: only a notice, immunity or wait changed."""
+        """The allocation (or the wait) is the same: only a notice, immunity, wait or plan changed."""
         a = new.alloc
         if a is None and old.suspended != new.suspended:  # (with an allocation it is listed either way)
             self.listed.add(t) if new.suspended else self.listed.remove(t)
+        if old.notice != new.notice:
+            if old.notice is not None:
+                self._put_notice(t, old.notice, False)
+            if new.notice is not None:
+                self._put_notice(t, new.notice, True)
+            if a is not None and (old.notice is None) != (new.notice is None):
+                self._put_untold(t, a, new.notice is None)
+        if a is not None and (old.immune_until is None) != (new.immune_until is None):
+            for g in a.gpus:
+                _count(self.immune_on, g, 1 if new.immune_until is not None else -1)
+        if old.plan != new.plan:
+            self._put_plan(t, new.plan, old.plan)
+            if new.plan and not old.plan:
+                self.planning[t] = None
+            elif old.plan and not new.plan:
+                del self.planning[t]
+        if old.parked != new.parked:
+            if old.parked is not None:
+                self._put_parked(old.parked, False)
+            if new.parked is not None:
+                self._put_parked(new.parked, True)
         for due, was, now in (
-            (self._notice_due, old.notice_deadline, new.notice_deadline),
+            (self._notice_due, _deadline(old.notice), _deadline(new.notice)),
             (self._wait_due, old.wait_deadline, new.wait_deadline),
             (self._immune_due, old.immune_until, new.immune_until),
         ):
@@ -216,6 +333,49 @@ class LedgerIndex:
                     due.remove(was, t)
                 if now is not None:
                     due.add(now, t)
+
+    def _put_untold(self, t: str, a: _Alloc, add: bool) -> None:
+        for g in a.gpus:
+            keys = self.untold.setdefault(g, SortedKeys())
+            keys.add(t) if add else keys.remove(t)
+            if not keys:
+                del self.untold[g]
+
+    def _put_notice(self, t: str, n: _Told, add: bool) -> None:
+        """A running notice, by its waiter (a drain's by each GPU it names)."""
+        places: Iterable[tuple[dict[Any, SortedKeys[str]], Any]]
+        places = ((self.drain_on, g) for g in n.gpus) if n.by == DRAIN else ((self.told, n.by),)
+        for where, key in places:
+            keys = where.setdefault(key, SortedKeys())
+            keys.add(t) if add else keys.remove(t)
+            if not keys:
+                del where[key]
+
+    def _put_plan(self, t: str, new: tuple[str, ...], old: tuple[str, ...]) -> None:
+        """The victims planned for waiter ``t`` and not told yet: ``old`` then, ``new`` now. A plan
+        shrinks from the front as its victims are told: only those told are taken out."""
+        if len(new) <= len(old) and old[len(old) - len(new) :] == new:
+            old = old[: len(old) - len(new)]
+            new = ()
+        chosen = self.chosen
+        for v in old:
+            del chosen[v]
+        if new and not chosen:
+            self.chosen = dict.fromkeys(new, t)  # (one pass: the common case, one waiter's plan)
+        elif new:
+            chosen.update(dict.fromkeys(new, t))
+
+    def _put_parked(self, parked: tuple[Queued, int, tuple[int, ...]], add: bool) -> None:
+        queued, share, pinned = parked
+        self.parked_order.add(queued) if add else self.parked_order.remove(queued)
+        for g in pinned:
+            by_share = self.parked.setdefault(g, {})
+            keys = by_share.setdefault(share, SortedKeys())
+            keys.add(queued) if add else keys.remove(queued)
+            if not keys:
+                del by_share[share]
+                if not by_share:
+                    del self.parked[g]
 
     # --- reading ------------------------------------------------------------
 
@@ -231,14 +391,14 @@ class LedgerIndex:
         made = self._maturing.first_after(after - min_runtime)
         return None if made is None else made + min_runtime
 
-    def due_notices(self, now: int) -> list[str]:
-        return self._notice_due.until(now)
+    def due_notices(self, now: int, limit: int | None = None) -> list[str]:
+        return self._notice_due.until(now, limit)
 
     def due_waits(self, now: int) -> list[str]:
         return self._wait_due.until(now)
 
-    def due_immunities(self, now: int) -> list[str]:
-        return self._immune_due.until(now)
+    def due_immunities(self, now: int, limit: int | None = None) -> list[str]:
+        return self._immune_due.until(now, limit)
 
     def first_deadlines(self) -> list[int]:
         """The first deadline of notices and of waits (those there are)."""
@@ -247,15 +407,28 @@ class LedgerIndex:
     def first_immunity_after(self, after: int) -> int | None:
         return self._immune_due.first_after(after)
 
+    def first_immunity(self) -> int | None:
+        return self._immune_due.first()
+
     def victim(self, a: _Alloc) -> Candidate:
-        """``a`` as a whole victim, made once per allocation (a plan may read thousands)."""
-        held = self._made.get(a.task_id)
-        if held is None or held[0] is not a:
-            held = self._made[a.task_id] = (a, as_victim(a, PreemptReason.PRIORITY, a.gpus))
-        return held[1]
+        """``a`` as a whole victim (made when read, not kept: a plan may read thousands)."""
+        self.reads += 1
+        return as_victim(a, PreemptReason.PRIORITY, a.gpus)
 
     def lower_pool(self, priority: int, mature: int, reachable: Container[str], skip: set[str]) -> VictimPool:
         return VictimPool(self, priority, mature, reachable, skip)
+
+
+def _count(counts: dict[Any, int], key: Any, by: int) -> None:
+    n = counts.get(key, 0) + by
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
+def _deadline(n: _Told | None) -> int | None:
+    return None if n is None else n.deadline
 
 
 class _Group:
@@ -266,17 +439,26 @@ class _Group:
     def __init__(self, keys: SortedKeys[tuple[int, str]], cut: tuple[int, str] | None, pool: VictimPool) -> None:
         self._keys, self._cut, self._pool = keys, cut, pool
 
-    def newest(self) -> Iterator[Candidate]:
-        return self._pool._made(self._keys.from_(self._cut) if self._cut is not None else iter(self._keys))
+    def ids(self, taken: Container[str] = ()) -> Iterator[str]:
+        """The task ids of its candidates, newest first, read at C speed past those that are not."""
+        keys = self._keys.from_(self._cut) if self._cut is not None else iter(self._keys)
+        return self._pool._eligible(map(_second, keys), taken)
 
-    def oldest(self) -> Iterator[Candidate]:
-        return self._pool._made(self._keys.down_to(self._cut))
+    def ids_oldest(self, taken: Container[str] = ()) -> Iterator[str]:
+        return self._pool._eligible(map(_second, self._keys.down_to(self._cut)), taken)
+
+    def newest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
+        return map(self._pool._victim, self.ids(taken))
+
+    def oldest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
+        return map(self._pool._victim, self.ids_oldest(taken))
 
 
 class VictimPool:
     """The allocations of priority below ``priority`` that a request may take back whole, mature
-    by ``mature`` (or of priority 0), reachable, without a notice or immunity and not in ``skip``:
-    ``preemption.Ranked``, read from the index as far as the choice reads."""
+    by ``mature`` (or of priority 0), reachable, without a notice or immunity, not planned for
+    another waiter and not in ``skip``: ``preemption.Ranked``, read from the index as far as the
+    choice reads."""
 
     def __init__(
         self,
@@ -287,14 +469,21 @@ class VictimPool:
         skip: set[str],
     ) -> None:
         self._index, self._priority, self._mature = index, priority, mature
-        notices, immune = index._notices, index._immune
-        self._ok: Callable[[str], bool] = lambda t: (
-            t in reachable and t not in notices and t not in immune and t not in skip
-        )
+        self._reachable, self._skip = reachable, skip
+        # what leaves an allocation out, each looked up in C (the ledger's dicts, the shell's set)
+        self._out: list[Container[str]] = [index._notices, index._immune, index.chosen, skip]
+        out = self._out
+        self._ok: Callable[[str], bool] = lambda t: t in reachable and not any(t in o for o in out)
 
-    def _made(self, keys: Iterator[tuple[int, str]]) -> Iterator[Candidate]:
-        allocs, victim, ok = self._index._allocs, self._index.victim, self._ok
-        return (victim(allocs[t]) for _, t in keys if ok(t))
+    def _eligible(self, ids: Iterator[str], taken: Container[str]) -> Iterator[str]:
+        ids = filter(self._reachable.__contains__, ids)
+        for out in (*self._out, taken):
+            if out:
+                ids = filterfalse(out.__contains__, ids)
+        return ids
+
+    def _victim(self, t: str) -> Candidate:
+        return self._index.victim(self._index._allocs[t])
 
     def on(self, gpu: int) -> dict[GroupKey, Group]:
         cut = (-self._mature, "")  # (-created, id) from here on: made by ``mature``
@@ -312,3 +501,116 @@ class VictimPool:
                 if self._ok(t):
                     out.append(index.victim(a))
         return out
+
+    def first(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        return self._chunk(gpu, key, n, taken, newest=True)
+
+    def last(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        return self._chunk(gpu, key, n, taken, newest=False)
+
+    def _chunk(self, gpu: int, key: GroupKey, n: int, taken: Container[str], *, newest: bool) -> Chunk | None:
+        keys = self._index._lower.get(gpu, {}).get(key)
+        if keys is None or key[2] >= self._priority:
+            return None
+        group = _Group(keys, (-self._mature, "") if key[2] else None, self)
+        ids = list(islice(group.ids(taken) if newest else group.ids_oldest(taken), n))
+        if not ids:
+            return None
+        allocs = self._index._allocs
+        return Chunk(
+            gpu,
+            len(ids),
+            len(ids) * key[1],
+            self._cpus_among(ids),
+            ((key[2], len(ids)),),
+            allocs[ids[-1] if newest else ids[0]].created_us,
+            key[1],
+            lambda: ids,
+            lambda: [self._victim(t) for t in ids],
+            lambda: _tenants(allocs[t] for t in ids),
+        )
+
+    def whole(self, gpu: int, taken: Collection[str], strategy: PreemptStrategy) -> Chunk | None:
+        """Counted from the index: every allocation on ``gpu`` is of a group below the priority,
+        none immature, told or immune; and, looked up in C when the GPU is chosen (``Chunk.holds``),
+        none planned for another waiter or in ``skip``, all reachable."""
+        index = self._index
+        held = index.held_on.get(gpu, 0)
+        if held < preemption.BULK or any(gpu in a.gpus for t in taken if (a := index._allocs.get(t)) is not None):
+            return None
+        groups = [(k, keys) for k, keys in index._lower.get(gpu, {}).items() if k[2] < self._priority]
+        if any(k[0] != k[1] or k[1] >= UNIT for k, _ in groups):
+            return None  # a whole allocation among them (not with this many): read it
+        untold = index.untold.get(gpu)
+        cut = self._mature
+        if (
+            sum(len(keys) for _, keys in groups) != held
+            or untold is None
+            or len(untold) != held
+            or index.immune_on.get(gpu)
+            or any(k[2] and _made(keys.first()) > cut for k, keys in groups)  # the newest is immature
+        ):
+            return nothing_on(gpu)
+        chosen, skip, reachable = index.chosen, self._skip, self._reachable
+        priorities: dict[int, int] = {}
+        for k, keys in groups:
+            priorities[k[2]] = priorities.get(k[2], 0) + len(keys)
+        cpus = sum(len(a.cpus) for t in index.cpu_holders if gpu in (a := index._allocs[t]).gpus)
+        return Chunk(
+            gpu,
+            held,
+            sum(len(keys) * k[1] for k, keys in groups),
+            cpus,
+            tuple(sorted(priorities.items(), reverse=True)),
+            min(_made(keys.last()) for _, keys in groups),
+            min(k[1] for k, _ in groups),
+            lambda: list(untold),
+            lambda: list(in_order(self.on(gpu), strategy)),
+            lambda: _with_none(index.tenant_on.get(gpu, {})),
+            lambda: not _meets(chosen, untold) and not _meets(skip, untold) and _within(untold, reachable),
+        )
+
+    def _cpus_among(self, ids: list[str]) -> int:
+        holders = self._index.cpu_holders
+        if not holders:
+            return 0
+        among = set(ids)
+        return sum(len(self._index._allocs[t].cpus) for t in holders if t in among)
+
+
+def _made(key: tuple[int, str] | None) -> int:
+    """When the allocation of a (-created, id) key was made."""
+    assert key is not None  # (groups are never empty)
+    return -key[0]
+
+
+def _meets(out: Collection[str], ids: SortedKeys[str]) -> bool:
+    """Whether any of ``ids`` is in ``out``, walking the smaller of the two."""
+    if not out:
+        return False
+    if len(out) < len(ids):
+        return any(t in ids for t in out)
+    keys = out.keys() if isinstance(out, dict) else out
+    if isinstance(keys, (set, frozenset, type({}.keys()))):
+        return not all(keys.isdisjoint(block) for block in ids.blocks())
+    return any(map(out.__contains__, ids))
+
+
+def _within(ids: SortedKeys[str], of: Container[str]) -> bool:
+    """Whether every one of ``ids`` is in ``of`` (a set: a block at a time, in C)."""
+    if isinstance(of, (set, frozenset)):
+        return all(of.issuperset(block) for block in ids.blocks())
+    return all(map(of.__contains__, ids))
+
+
+def _with_none(units: Mapping[str, int]) -> dict[str | None, int]:
+    out: dict[str | None, int] = {}
+    out.update(units)
+    return out
+
+
+def _tenants(allocs: Iterable[_Alloc]) -> dict[str | None, int]:
+    out: dict[str | None, int] = {}
+    for a in allocs:
+        out[a.tenant] = out.get(a.tenant, 0) + a.total
+    return out

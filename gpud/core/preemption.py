@@ -22,13 +22,24 @@ strategy's pool may be ``Ranked`` rather than listed: per GPU, groups of candida
 share and priority, each newest first, which are read in the strategy's order only as far as the
 choice needs (a fraction needs the cheapest few of 20 000). Everything is in the ledger's fixed
 point (one GPU = ``UNIT``).
+
+Thousands of victims on one GPU (fractions of 1/10000) are chosen as one ``Chunk``, never a
+Candidate each: all of a GPU's fractions when it is emptied for whole GPUs (the pool tells from the
+counts it keeps whether every allocation on the GPU is a candidate: ``Ranked.whole``), or the first
+of one group that cover a fraction (``Ranked.first``). A chunk stands for its members in the order
+they would have been read, so the choice is the one made candidate by candidate: its cost is theirs,
+and never more than needed drops it whole when the request fits without it, keeps it whole when
+none of its members could go (the GPU needs them all), and only else weighs its members one by one.
+So choosing among 20 000 costs what the GPUs' groups number, not what their allocations do (but a
+``minimum_waste`` cover, which is read one by one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from heapq import merge
+from itertools import islice
 from typing import Any, NamedTuple, Protocol
 
 from gpud_client.protocol import PreemptReason, PreemptStrategy
@@ -67,7 +78,57 @@ class Room:
     cpus: int
 
 
-TenantCheck = Callable[[Sequence[Candidate]], bool] | None  # None: the request has no tenant to check
+BULK = 64  # a GPU's candidates are taken as one Chunk when at least this many would be
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Chunk:
+    """Victims on one GPU taken as one: fractions of ``gpu`` alone, each taken whole for priority.
+    What a plan needs of them is counted; their ids and Candidates are made only when asked for."""
+
+    gpu: int
+    count: int
+    units: int  # their shares together
+    cpus: int  # the CPU cores they hold together
+    priorities: tuple[tuple[int, int], ...]  # (priority, how many), the highest first
+    oldest: int  # when the first of them was made
+    smallest: int  # the smallest share among them
+    ids: Callable[[], Sequence[str]]  # their task ids
+    members: Callable[[], list[Candidate]]  # each as a Candidate, in the order they were chosen in
+    tenants: Callable[[], Mapping[str | None, int]]  # their units per tenant
+    # Whether they all are candidates, when that is dearer to find than the rest (a walk, in C): asked
+    # of a GPU's chunk only when it is the cheapest to empty (one that is not stands for nothing).
+    holds: Callable[[], bool] = bool
+
+
+def nothing_on(gpu: int) -> Chunk:
+    """No victims: what ``Ranked.whole`` answers when some allocation on ``gpu`` is no candidate."""
+    return Chunk(gpu, 0, 0, 0, (), 0, 0, tuple, list, dict)
+
+
+def chunk_of(gpu: int, members: list[Candidate]) -> Chunk:
+    """Candidates already read (fractions of ``gpu`` alone), as one chunk."""
+    priorities: dict[int, int] = {}
+    tenants: dict[str | None, int] = {}
+    for c in members:
+        priorities[c.priority] = priorities.get(c.priority, 0) + 1
+        tenants[c.tenant] = tenants.get(c.tenant, 0) + c.units
+    return Chunk(
+        gpu,
+        len(members),
+        sum(c.units for c in members),
+        sum(c.cpus for c in members),
+        tuple(sorted(priorities.items(), reverse=True)),
+        min(c.created for c in members),
+        min(c.share for c in members),
+        lambda: [c.task_id for c in members],
+        lambda: list(members),
+        lambda: tenants,
+    )
+
+
+Victim = Candidate | Chunk
+TenantCheck = Callable[[Sequence[Victim]], bool] | None  # None: the request has no tenant to check
 
 
 GroupKey = tuple[int, int, int]  # (units, share, priority)
@@ -75,20 +136,35 @@ GroupKey = tuple[int, int, int]  # (units, share, priority)
 
 class Group(Protocol):
     """The candidates on one GPU of one ``GroupKey``: newest first (ties: the lower task id), or
-    the reverse. Each is read only as far as needed."""
+    the reverse, those in ``taken`` left out. Each is read only as far as needed."""
 
-    def newest(self) -> Iterator[Candidate]: ...
+    def newest(self, taken: Container[str] = ()) -> Iterator[Candidate]: ...
 
-    def oldest(self) -> Iterator[Candidate]: ...
+    def oldest(self, taken: Container[str] = ()) -> Iterator[Candidate]: ...
 
 
 class Ranked(Protocol):
     """A pool read as far as needed: per GPU its candidates by ``GroupKey``, and those that give
-    back CPU cores (in any order)."""
+    back CPU cores (in any order); in bulk, the first of a group and all of a GPU as chunks."""
 
     def on(self, gpu: int) -> Mapping[GroupKey, Group]: ...
 
     def with_cpus(self) -> Iterable[Candidate]: ...
+
+    def first(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        """The first ``n`` candidates of a group (fewer when there are not so many), newest first,
+        those in ``taken`` left out, as one chunk; None: there is none."""
+        ...
+
+    def last(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        """As ``first``, but the oldest ``n``, oldest first."""
+        ...
+
+    def whole(self, gpu: int, taken: Collection[str], strategy: PreemptStrategy) -> Chunk | None:
+        """Every candidate on ``gpu``, when they are many fractions: a chunk of them (``nothing_on``
+        when some allocation on it, but those in ``taken``, is no candidate: it cannot be emptied);
+        None: read them one by one (few of them, or some of them in ``taken``)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +179,12 @@ class _ListedGroup:
     def __init__(self) -> None:
         self.candidates: list[Candidate] = []
 
-    def newest(self) -> Iterator[Candidate]:
-        return iter(self.candidates)
+    def newest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
+        return (c for c in self.candidates if c.task_id not in taken) if taken else iter(self.candidates)
 
-    def oldest(self) -> Iterator[Candidate]:
-        return reversed(self.candidates)
+    def oldest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
+        out = reversed(self.candidates)
+        return (c for c in out if c.task_id not in taken) if taken else out
 
 
 class _Listed:
@@ -130,6 +207,19 @@ class _Listed:
     def with_cpus(self) -> Iterable[Candidate]:
         return self.cpus
 
+    def first(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        group = self.by_gpu.get(gpu, {}).get(key)
+        members = list(islice(group.newest(taken), n)) if group is not None else []
+        return chunk_of(gpu, members) if members else None
+
+    def last(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
+        group = self.by_gpu.get(gpu, {}).get(key)
+        members = list(islice(group.oldest(taken), n)) if group is not None else []
+        return chunk_of(gpu, members) if members else None
+
+    def whole(self, gpu: int, taken: Collection[str], strategy: PreemptStrategy) -> Chunk | None:
+        return None  # listed: read one by one
+
 
 def _newest(c: Candidate) -> tuple[Any, ...]:
     """The order within a group, and between groups where the strategy's order leaves a tie."""
@@ -144,21 +234,31 @@ def _runs(groups: Mapping[GroupKey, Group], by: Callable[[GroupKey], tuple[int, 
     return [runs[r] for r in sorted(runs)]
 
 
-def _in_order(groups: Mapping[GroupKey, Group], strategy: PreemptStrategy) -> Iterator[Candidate]:
-    """The candidates of ``groups`` in ``rank(strategy)``'s order, made as they are read: the
-    groups in the order of the strategy's key, those it does not tell apart merged newest first."""
+def _by(strategy: PreemptStrategy) -> Callable[[GroupKey], tuple[int, ...]]:
+    """The strategy's key on a group: groups it does not tell apart are merged newest first."""
     match strategy:
         case PreemptStrategy.NEWEST_FIRST:  # (-created, priority, id)
-            by: Callable[[GroupKey], tuple[int, ...]] = lambda k: ()  # noqa: E731
+            return lambda k: ()
         case PreemptStrategy.MINIMUM_VICTIMS:  # (-share, priority, -created, id)
-            by = lambda k: (-k[1], k[2])  # noqa: E731
+            return lambda k: (-k[1], k[2])
         case _:  # (priority, -created, id)
-            by = lambda k: (k[2],)  # noqa: E731
-    for run in _runs(groups, by):
-        if len(run) == 1:
-            yield from groups[run[0]].newest()
-        else:
-            yield from merge(*(groups[k].newest() for k in run), key=_newest)
+            return lambda k: (k[2],)
+
+
+def _run_in_order(
+    groups: Mapping[GroupKey, Group], run: list[GroupKey], taken: Container[str] = ()
+) -> Iterator[Candidate]:
+    if len(run) == 1:
+        return groups[run[0]].newest(taken)
+    merged: Iterator[Candidate] = merge(*(groups[k].newest(taken) for k in run), key=_newest)
+    return merged
+
+
+def in_order(groups: Mapping[GroupKey, Group], strategy: PreemptStrategy) -> Iterator[Candidate]:
+    """The candidates of ``groups`` in ``rank(strategy)``'s order, made as they are read: the
+    groups in the order of the strategy's key, those it does not tell apart merged newest first."""
+    for run in _runs(groups, _by(strategy)):
+        yield from _run_in_order(groups, run)
 
 
 class _Fit:
@@ -173,15 +273,21 @@ class _Fit:
         self.wanted = 0 if need.gpus == 0 else max(1, need.gpus // UNIT)
         self.ok = sum(1 for free in room.free.values() if free >= self.target)
 
-    def add(self, c: Candidate, sign: int = 1) -> None:
-        free = self.room.free
-        for g in c.gpus:
-            if g in free:
-                before = free[g] + self.freed.get(g, 0)
-                after = before + sign * c.share
-                self.freed[g] = after - free[g]
-                self.ok += (after >= self.target) - (before >= self.target)
+    def add(self, c: Victim, sign: int = 1) -> None:
+        if isinstance(c, Chunk):
+            self._give(c.gpu, sign * c.units)
+        else:
+            for g in c.gpus:
+                self._give(g, sign * c.share)
         self.cpus += sign * c.cpus
+
+    def _give(self, g: int, share: int) -> None:
+        free = self.room.free
+        if g in free:
+            before = free[g] + self.freed.get(g, 0)
+            after = before + share
+            self.freed[g] = after - free[g]
+            self.ok += (after >= self.target) - (before >= self.target)
 
     def free_on(self, g: int) -> int:
         return self.room.free[g] + self.freed.get(g, 0)
@@ -189,7 +295,14 @@ class _Fit:
     def gpus_fit(self) -> bool:
         return self.ok >= self.wanted
 
-    def fits(self, chosen: Sequence[Candidate] | Callable[[], Sequence[Candidate]]) -> bool:
+    def gpus_fit_without(self, g: int, share: int) -> bool:
+        """Whether the GPUs would still fit with ``share`` of ``g`` not given back."""
+        if g not in self.room.free:
+            return self.gpus_fit()
+        free = self.free_on(g)
+        return self.ok - (free >= self.target) + (free - share >= self.target) >= self.wanted
+
+    def fits(self, chosen: Sequence[Victim] | Callable[[], Sequence[Victim]]) -> bool:
         """Whether the request fits with ``chosen`` given back (a callable: made only if the tenant
         check needs the list)."""
         if not (self.gpus_fit() and self.room.cpus + self.cpus >= self.need.cpus):
@@ -204,10 +317,10 @@ def choose(
     room: Room,
     pools: Sequence[Pool],
     tenant_ok: TenantCheck,
-) -> list[Candidate]:
+) -> list[Victim]:
     """The victims that let ``need`` fit, fewest by the rules above; [] when no set does."""
     fit = _Fit(need, room, tenant_ok)
-    chosen: list[Candidate] = []
+    chosen: list[Victim] = []
     last = len(pools) - 1
     for i, pool in enumerate(pools):
         if fit.fits(chosen):
@@ -221,14 +334,36 @@ def choose(
             _greedy(fit, chosen, _ordered(candidates, pool.strategy))
     if not fit.fits(chosen):
         return []
-    dropped: set[int] = set()  # never more than needed: the last chosen are the dearest
-    for i in range(len(chosen) - 1, -1, -1):
-        fit.add(chosen[i], -1)
-        dropped.add(i)
-        if not fit.fits(lambda: [v for j, v in enumerate(chosen) if j not in dropped]):
-            dropped.discard(i)
-            fit.add(chosen[i])
-    return [v for j, v in enumerate(chosen) if j not in dropped]
+    return _fewest(fit, chosen)
+
+
+def _fewest(fit: _Fit, chosen: list[Victim]) -> list[Victim]:
+    """Never more than needed: each victim, the last chosen first (the dearest), is dropped again
+    when the request fits without it. A chunk goes whole when it can, stays whole when none of its
+    members could go, and is else weighed member by member as the victims it stands for."""
+    held: list[Victim | None] = list(chosen)
+
+    def rest() -> list[Victim]:
+        return [v for v in held if v is not None]
+
+    i = len(held) - 1
+    while i >= 0:
+        v = held[i]
+        assert v is not None
+        fit.add(v, -1)
+        held[i] = None
+        if fit.fits(rest):
+            i -= 1
+            continue
+        fit.add(v)
+        held[i] = v
+        if isinstance(v, Chunk) and fit.gpus_fit_without(v.gpu, v.smallest):
+            members = v.members()
+            held[i : i + 1] = members  # counted as the chunk was: their sums are its
+            i += len(members) - 1
+            continue
+        i -= 1
+    return rest()
 
 
 def _key(strategy: PreemptStrategy) -> Callable[[Candidate], tuple[int, ...]]:
@@ -252,22 +387,33 @@ def _ordered(pool: Sequence[Candidate], strategy: PreemptStrategy) -> list[Candi
     return sorted(pool, key=rank(strategy))
 
 
-def _cost(victims: Sequence[Candidate], strategy: PreemptStrategy) -> tuple[Any, ...]:
-    """What a set of victims costs under ``strategy``: the cheapest set is chosen."""
-    count, units = len(victims), sum(c.units for c in victims)
+def _cost(victims: Sequence[Victim], strategy: PreemptStrategy) -> tuple[Any, ...]:
+    """What a set of victims costs under ``strategy``: the cheapest set is chosen (a chunk costs
+    what its members would)."""
+    count = units = 0
+    oldest: int | None = None
+    for v in victims:
+        made = v.oldest if isinstance(v, Chunk) else v.created
+        count += v.count if isinstance(v, Chunk) else 1
+        units += v.units
+        oldest = made if oldest is None or made < oldest else oldest
+    first = 0 if oldest is None else oldest
     match strategy:
         case PreemptStrategy.MINIMUM_VICTIMS:
             return (count, units)
         case PreemptStrategy.MINIMUM_WASTE:
             return (units, count)
         case PreemptStrategy.NEWEST_FIRST:
-            return (-min((c.created for c in victims), default=0), count)
+            return (-first, count)
         case _:  # the highest priority taken, then the next..., then the fewest, the newest
-            return (
-                sorted((c.priority for c in victims), reverse=True),
-                count,
-                -min((c.created for c in victims), default=0),
-            )
+            priorities: list[int] = []
+            for v in victims:
+                if isinstance(v, Chunk):
+                    for p, n in v.priorities:
+                        priorities += [p] * n
+                else:
+                    priorities.append(v.priority)
+            return (sorted(priorities, reverse=True), count, -first)
 
 
 def _useful(fit: _Fit, c: Candidate) -> bool:
@@ -280,7 +426,7 @@ def _useful(fit: _Fit, c: Candidate) -> bool:
     return any(g in fit.room.free for g in c.gpus)
 
 
-def _greedy(fit: _Fit, chosen: list[Candidate], ordered: Sequence[Candidate]) -> None:
+def _greedy(fit: _Fit, chosen: list[Victim], ordered: Sequence[Candidate]) -> None:
     for c in ordered:
         if fit.fits(chosen):
             return
@@ -289,81 +435,106 @@ def _greedy(fit: _Fit, chosen: list[Candidate], ordered: Sequence[Candidate]) ->
             fit.add(c)
 
 
-def _take(fit: _Fit, chosen: list[Candidate], victims: Sequence[Candidate]) -> None:
+def _take(fit: _Fit, chosen: list[Victim], victims: Sequence[Victim]) -> None:
     for c in victims:
         chosen.append(c)
         fit.add(c)
 
 
-def _aimed(fit: _Fit, chosen: list[Candidate], pool: Ranked, strategy: PreemptStrategy) -> None:
+def _shares(victims: Sequence[Victim]) -> int:
+    return sum(v.units if isinstance(v, Chunk) else v.share for v in victims)
+
+
+def _rest_on(
+    pool: Ranked, g: int, taken: set[str], strategy: PreemptStrategy, listed: dict[int, list[Candidate]]
+) -> Sequence[Victim]:
+    """What is left to take on ``g``: its chunk, or its candidates not taken yet (read once)."""
+    chunk = pool.whole(g, taken, strategy)
+    if chunk is not None:
+        return [chunk] if chunk.count else []
+    if g not in listed:
+        listed[g] = list(in_order(pool.on(g), strategy))
+    on = listed[g]
+    return [c for c in on if c.task_id not in taken] if taken else on
+
+
+def _aimed(fit: _Fit, chosen: list[Victim], pool: Ranked, strategy: PreemptStrategy) -> None:
     """Victims aimed at the GPUs that cost the least to make room on: for a fraction the one GPU
     whose cheapest cover costs least; for whole GPUs, one GPU after another, each emptied of what
     is left on it; then CPU cores (the most first for the fewest victims or the least waste)."""
-    taken = {c.task_id for c in chosen if c.whole}  # an elastic one chosen for its extras may still go whole
+    # an elastic one chosen for its extras may still go whole (the pools before are listed: no chunks)
+    taken = {c.task_id for c in chosen if isinstance(c, Candidate) and c.whole}
+    emptied: set[int] = set()  # GPUs taken as one chunk: every candidate on them is taken
     gpus = sorted(fit.room.free)
     key = rank(strategy)
     if 0 < fit.need.gpus < UNIT and not fit.gpus_fit():
         cover = _cheapest_cover(fit, pool, gpus, taken, strategy)
-        taken.update(c.task_id for c in cover)
+        for v in cover:
+            taken.update(v.ids()) if isinstance(v, Chunk) else taken.add(v.task_id)
         _take(fit, chosen, cover)
     elif fit.need.gpus >= UNIT:
-        by_gpu = {g: on for g in gpus if (on := [c for c in _in_order(pool.on(g), strategy) if c.task_id not in taken])}
+        listed: dict[int, list[Candidate]] = {}
         while not fit.gpus_fit():
-            best: list[Candidate] | None = None
-            best_cost: tuple[Any, ...] = ()
-            for g, on in by_gpu.items():
+            options: list[tuple[tuple[Any, ...], int, Sequence[Victim]]] = []
+            for g in gpus:
                 short = UNIT - fit.free_on(g)
                 if short <= 0:
                     continue
-                rest = [c for c in on if c.task_id not in taken] if taken else on
-                if sum(c.share for c in rest) < short:
+                rest = _rest_on(pool, g, taken, strategy, listed)
+                if _shares(rest) < short:
                     continue
-                cost = _cost(rest, strategy)
-                if best is None or cost < best_cost:
-                    best, best_cost = rest, cost
+                options.append((_cost(rest, strategy), g, rest))
+            options.sort(key=lambda o: (o[0], o[1]))  # the cheapest, the lower GPU among equals
+            best = next((rest for _, _, rest in options if all(v.holds() for v in rest if isinstance(v, Chunk))), None)
             if best is None:
                 break
-            taken.update(c.task_id for c in best)
+            for v in best:
+                emptied.add(v.gpu) if isinstance(v, Chunk) else taken.add(v.task_id)
             _take(fit, chosen, best)
-    cpus = [c for c in pool.with_cpus() if c.task_id not in taken and c.cpus]
+    cpus = [
+        c
+        for c in pool.with_cpus()
+        if c.cpus and c.task_id not in taken and not (emptied and emptied.intersection(c.gpus))
+    ]
     if strategy in (PreemptStrategy.MINIMUM_VICTIMS, PreemptStrategy.MINIMUM_WASTE):
-        rest = sorted(cpus, key=lambda c: (-c.cpus, *key(c)))
+        by_cores = sorted(cpus, key=lambda c: (-c.cpus, *key(c)))
     else:  # the strategy's own order: the lowest priorities, or the newest
-        rest = sorted(cpus, key=key)
-    _greedy(fit, chosen, rest)
+        by_cores = sorted(cpus, key=key)
+    _greedy(fit, chosen, by_cores)
 
 
 def _cheapest_cover(
     fit: _Fit, pool: Ranked, gpus: list[int], taken: set[str], strategy: PreemptStrategy
-) -> list[Candidate]:
+) -> list[Victim]:
     """For a fraction: the cover of the GPU where it costs least ([] when none covers). Each GPU's
     candidates are read in the strategy's order only until they cover (but for the least waste)."""
-    best: list[Candidate] | None = None
+    best: list[Victim] | None = None
     best_cost: tuple[Any, ...] = ()
-    ranked: Iterable[tuple[int, Iterator[Candidate]]] = (
-        (g, (c for c in _in_order(pool.on(g), strategy) if c.task_id not in taken)) for g in gpus
-    )
+    order = gpus
     newest = strategy == PreemptStrategy.NEWEST_FIRST
+    bounds: dict[int, tuple[int]] = {}
     if newest:
         # GPUs in the order of a bound no cover on them can beat (the newest there), so that once a
         # bound is above the best cost found, so is every later GPU's. The other costs' bounds tie
         # too often to pay for reading the GPUs ahead.
         heads = []
-        for g, on in ranked:
-            first = next(on, None)
-            if first is not None:
-                heads.append(((-first.created,), g, first, on))
-        heads.sort(key=lambda h: (h[0], h[1]))
-        ranked = ((g, _prepend(first, on)) for _, g, first, on in heads)
-        bounds = {g: bound for bound, g, _, _ in heads}
-    for g, on in ranked:
+        for g in gpus:
+            made = [c.oldest for k in pool.on(g) if (c := pool.first(g, k, 1, taken)) is not None]
+            if made:
+                heads.append(((-max(made),), g))
+        heads.sort()
+        order = [g for _, g in heads]
+        bounds = dict((g, bound) for bound, g in heads)
+    for g in order:
         short = fit.need.gpus - fit.free_on(g)
         if newest and best is not None and bounds[g] > best_cost:
             break
+        picked: list[Victim] | None
         if strategy == PreemptStrategy.MINIMUM_WASTE:
-            picked = _waste_cover(short, pool.on(g), taken)
+            waste = _waste_cover(short, pool.on(g), taken, pool, g)
+            picked = None if waste is None else list(waste)
         else:
-            picked = _prefix(short, on)
+            picked = _cover(short, pool, g, strategy, taken)
         if picked is None:
             continue
         cost = _cost(picked, strategy)
@@ -372,9 +543,31 @@ def _cheapest_cover(
     return best or []
 
 
-def _prepend(first: Candidate, rest: Iterator[Candidate]) -> Iterator[Candidate]:
-    yield first
-    yield from rest
+def _cover(short: int, pool: Ranked, g: int, strategy: PreemptStrategy, taken: set[str]) -> list[Victim] | None:
+    """``_prefix`` of ``g``'s candidates in the strategy's order, those in ``taken`` left out; a
+    run of one group of fractions read as one chunk when that many of it are needed."""
+    picked: list[Victim] = []
+    got = 0
+    if short <= 0:
+        return picked
+    groups = pool.on(g)
+    for run in _runs(groups, _by(strategy)):
+        units, share, _ = run[0]
+        n = -(-(short - got) // share)
+        if len(run) == 1 and units == share < UNIT and n >= BULK:
+            chunk = pool.first(g, run[0], n, taken)
+            if chunk is not None:
+                picked.append(chunk)
+                got += chunk.units
+            if got >= short:
+                return picked
+            continue
+        for c in _run_in_order(groups, run, taken):
+            picked.append(c)
+            got += c.share
+            if got >= short:
+                return picked
+    return None
 
 
 def _prefix(short: int, on: Iterable[Candidate]) -> list[Candidate] | None:
@@ -391,21 +584,26 @@ def _prefix(short: int, on: Iterable[Candidate]) -> list[Candidate] | None:
     return None
 
 
-def _waste_cover(short: int, groups: Mapping[GroupKey, Group], taken: set[str]) -> list[Candidate] | None:
+def _waste_cover(
+    short: int, groups: Mapping[GroupKey, Group], taken: set[str], pool: Ranked | None = None, gpu: int = 0
+) -> list[Victim] | None:
     """For the least waste: victims on one GPU whose shares add up to ``short``, in the order of
     (units, priority, -created, id): the largest first while they fit under what is short, then the
     smallest that covers the rest, else the largest again until covered. None: all do not cover.
-    Groups whose shares are all too large (or too small) to be picked are not read."""
+    Groups whose shares are all too large (or too small) to be picked are not read; a run of one
+    group of fractions is read as one chunk (from ``pool``, the ``gpu`` of ``groups``) when that
+    many of it fit."""
     runs = _runs(groups, lambda k: (k[0], k[2]))  # units, priority
 
-    def read(run: list[GroupKey], down: bool) -> Iterator[Candidate]:
+    def read(run: list[GroupKey], down: bool, skip: Container[str]) -> Iterator[Candidate]:
         if len(run) == 1:
-            found = groups[run[0]].oldest() if down else groups[run[0]].newest()
-        else:
-            found = merge(*(groups[k].oldest() if down else groups[k].newest() for k in run), key=_newest, reverse=down)
-        return (c for c in found if c.task_id not in taken)
+            return groups[run[0]].oldest(skip) if down else groups[run[0]].newest(skip)
+        found: Iterator[Candidate] = merge(
+            *(groups[k].oldest(skip) if down else groups[k].newest(skip) for k in run), key=_newest, reverse=down
+        )
+        return found
 
-    picked: list[Candidate] = []
+    picked: list[Victim] = []
     got = 0
     if short <= 0:
         return picked
@@ -413,8 +611,16 @@ def _waste_cover(short: int, groups: Mapping[GroupKey, Group], taken: set[str]) 
     for run in reversed(runs):
         if min(k[1] for k in run) > short - got:
             continue
+        units, share, _ = run[0]
+        if pool is not None and len(run) == 1 and units == share < UNIT and (short - got) // share >= BULK:
+            chunk = pool.last(gpu, run[0], (short - got) // share, taken)
+            if chunk is not None:
+                picked.append(chunk)
+                mine.update(chunk.ids())
+                got += chunk.units
+            continue  # the rest of the run is as large
         same = len({k[1] for k in run}) == 1
-        for c in read(run, True):
+        for c in read(run, True, taken):
             if got + c.share <= short:
                 picked.append(c)
                 mine.add(c.task_id)
@@ -422,18 +628,18 @@ def _waste_cover(short: int, groups: Mapping[GroupKey, Group], taken: set[str]) 
             elif same:
                 break  # the rest of the run is as large
     if got < short:
+        skip = taken | mine
         for run in runs:
             if max(k[1] for k in run) < short - got:
                 continue
-            covering = next((c for c in read(run, False) if c.task_id not in mine and got + c.share >= short), None)
+            covering = next((c for c in read(run, False, skip) if got + c.share >= short), None)
             if covering is not None:
                 picked.append(covering)
                 return picked
         for run in reversed(runs):
-            for c in read(run, True):
+            for c in read(run, True, skip):
                 if got >= short:
                     return picked
-                if c.task_id not in mine:
-                    picked.append(c)
-                    got += c.share
+                picked.append(c)
+                got += c.share
     return picked if got >= short else None

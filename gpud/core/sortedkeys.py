@@ -36,6 +36,10 @@ class SortedKeys(Generic[K]):
     def __iter__(self) -> Iterator[K]:
         return chain.from_iterable(self._blocks)
 
+    def blocks(self) -> Iterator[list[K]]:
+        """The keys a block (a list, in order) at a time: for what C does faster on a list."""
+        return iter(self._blocks)
+
     def __repr__(self) -> str:
         return f"<{self._len} sorted keys>"
 
@@ -97,6 +101,9 @@ class SortedKeys(Generic[K]):
 
     def first(self) -> K | None:
         return self._blocks[0][0] if self._blocks else None
+
+    def last(self) -> K | None:
+        return self._blocks[-1][-1] if self._blocks else None
 
     def from_(self, key: K) -> Iterator[K]:
         """The keys from ``key`` on (``key`` itself included), in order."""
@@ -164,11 +171,11 @@ class ByTime:
     def first_after(self, at: int) -> int | None:
         return next(self._times.after(at), None)
 
-    def until(self, now: int) -> list[str]:
-        """The ids of the times up to ``now``, in (time, id) order."""
+    def until(self, now: int, limit: int | None = None) -> list[str]:
+        """The ids of the times up to ``now``, in (time, id) order (the first ``limit`` of them)."""
         out: list[str] = []
         for at in self._times:
-            if at > now:
+            if at > now or (limit is not None and len(out) >= limit):
                 break
             out += sorted(self._ids[at])
-        return out
+        return out if limit is None else out[:limit]

@@ -250,8 +250,9 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
         m.allocated.labels(gpu).set((UNIT - daemon.allocations.ledger.gpu_free(gpu)) / UNIT)
         m.parked.labels(gpu).set(slot.scheduler.parked_bytes())
         m.draining.labels(gpu).set(1 if slot.draining else 0)
-    m.allocations.set(daemon.allocations.ledger.allocation_count() - len(daemon.allocations.ledger.suspended()))
-    m.suspended.set(len(daemon.allocations.ledger.suspended()))
+    suspended = daemon.allocations.ledger.suspended_count()
+    m.allocations.set(daemon.allocations.ledger.allocation_count() - suspended)
+    m.suspended.set(suspended)
     children = m.session_children
     limits = _series(m.session_memory_limit)
     done, began = 0, time.perf_counter()

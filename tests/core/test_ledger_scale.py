@@ -27,7 +27,20 @@ from gpud.core.ledger import (
     _one_per_task,
 )
 from gpud.core.ledger_index import as_victim
-from gpud.core.preemption import Candidate, Need, Pool, Room, _in_order, _Listed, _prefix, _waste_cover, choose, rank
+from gpud.core.preemption import (
+    Candidate,
+    Chunk,
+    Need,
+    Pool,
+    Room,
+    Victim,
+    _Listed,
+    _prefix,
+    _waste_cover,
+    choose,
+    in_order,
+    rank,
+)
 from gpud_client.protocol import PreemptReason, PreemptStrategy, Recovery, Strategy
 
 from .statecheck import state_of
@@ -66,6 +79,35 @@ def check_index(led: Ledger) -> None:
     assert list(ix._notice_due) == sorted((n.deadline, t) for t, n in led._notices.items())
     assert list(ix._wait_due) == sorted((w.deadline, t) for t, w in waiting.items() if w.deadline < NEVER)
     assert list(ix._immune_due) == sorted((u, t) for t, u in led._immune.items())
+    check_gpu_index(led)
+
+
+def check_gpu_index(led: Ledger) -> None:
+    """The counts per GPU, the notices by waiter and by drained GPU, the victims planned."""
+    ix, allocs = led._index, dict(led._allocs)
+    held: dict[int, int] = {}
+    untold: dict[int, list[str]] = {}
+    immune: dict[int, int] = {}
+    tenants: dict[int, dict[str, int]] = {}
+    for t, a in allocs.items():
+        for g in a.gpus:
+            held[g] = held.get(g, 0) + 1
+            if t not in led._notices:
+                untold.setdefault(g, []).append(t)
+            if t in led._immune:
+                immune[g] = immune.get(g, 0) + 1
+            if a.tenant is not None:
+                tenants.setdefault(g, {})[a.tenant] = tenants.get(g, {}).get(a.tenant, 0) + a.share
+    assert ix.held_on == held and ix.immune_on == immune and ix.tenant_on == tenants
+    assert {g: list(keys) for g, keys in ix.untold.items()} == {g: sorted(ts) for g, ts in untold.items()}
+    told: dict[str, list[str]] = {}
+    drained: dict[int, list[str]] = {}
+    for t, n in led._notices.items():
+        for where, key in [(drained, g) for g in n.gpus] if n.by == "drain" else [(told, n.by)]:
+            where.setdefault(key, []).append(t)  # type: ignore[attr-defined]
+    assert {b: list(keys) for b, keys in ix.told.items()} == {b: sorted(ts) for b, ts in told.items()}
+    assert {g: list(keys) for g, keys in ix.drain_on.items()} == {g: sorted(ts) for g, ts in drained.items()}
+    assert ix.chosen == {v: t for t, w in led._waiting.items() for v in w.plan}
 
 
 def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
@@ -78,7 +120,7 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
     for t, a in led._allocs.items():
         if a.priority >= 100 or a.protected or a.priority > req.priority:
             continue
-        if t in led._notices or t not in led.reachable or t in led._immune:
+        if t in led._notices or t not in led.reachable or t in led._immune or t in led._index.chosen:
             continue
         if a.extras:
             extras.append(as_victim(a, PreemptReason.ELASTIC, a.extras))
@@ -94,7 +136,7 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
             for a in mine if tenant != req.tenant else []:
                 if over <= 0:
                     break
-                if led._eligible(a) and a.on_preempt != Recovery.SHRINK:
+                if led._choosable(a) and a.on_preempt != Recovery.SHRINK:
                     reclaim.append(as_victim(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
                 over -= a.total
     taken = {c.task_id for c in reclaim}
@@ -104,18 +146,24 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
         Pool([c for c in lower if c.task_id not in taken], led.preemption.strategy),
     ]
 
-    def tenant_ok(victims: Sequence[Candidate]) -> bool:
+    def tenant_ok(victims: Sequence[Victim]) -> bool:
         minus: dict[str, int] = {}
         for c in victims:
-            if c.tenant is not None:
-                minus[c.tenant] = minus.get(c.tenant, 0) + c.units
+            for tenant, units in c.tenants().items() if isinstance(c, Chunk) else ((c.tenant, c.units),):
+                if tenant is not None:
+                    minus[tenant] = minus.get(tenant, 0) + units
         try:
             led._check_tenant(req, minus)
         except Insufficient:
             return False
         return True
 
-    return _one_per_task(choose(need, room, pools, None if req.tenant is None else tenant_ok))
+    return expanded(_one_per_task(choose(need, room, pools, None if req.tenant is None else tenant_ok)))
+
+
+def expanded(victims: Sequence[Victim]) -> list[Candidate]:
+    """Chunks as the candidates they stand for."""
+    return [c for v in victims for c in (v.members() if isinstance(v, Chunk) else [v])]
 
 
 # --- seeded random sequences -----------------------------------------------------------------------
@@ -226,8 +274,8 @@ def test_victims_read_from_the_index_are_those_the_full_lists_give(seed: int) ->
         now += rng.choice([1, S, 10 * S, 100 * S, 300 * S])
         step(led, rng, now, tasks)
         for w in list(led._waiting.values()):
-            if w.suspended is None and not led._victims_running(w):
-                assert led._victims_for(w.request, now) == reference_victims(led, w.request, now), w.request
+            if w.suspended is None and not led._leaving(w):
+                assert expanded(led._victims_for(w.request, now)) == reference_victims(led, w.request, now), w.request
                 compared += 1
     assert compared > 0
 
@@ -303,9 +351,10 @@ def test_a_change_among_20000_touches_what_it_changes_and_no_more() -> None:
     # A request that does not fit takes back one of 20 000: the choice reads a handful of them.
     cp = led.checkpoint()
     assert led.allocate(Request("w", 1, priority=50, wait_us=10 * S), 400 * S) is None
+    read = led._index.reads
     [e] = led.advance(400 * S)
     assert isinstance(e, Noticed) and e.allocation.task_id == "t000000"  # lowest priority, newest, lowest id
-    assert len(led._index._made) <= 2  # allocations made into candidates: the choice read no more
+    assert led._index.reads - read <= 2  # allocations made into candidates: the choice read no more
     assert led._journal.entries <= 8
     put, gone = led.changed_records()
     assert set(put) == {"t000000", "w"} and gone == set()
@@ -413,8 +462,8 @@ def test_groups_read_in_order_cover_as_the_sorted_list_does(
     on: list[Candidate], short: int, strategy: PreemptStrategy
 ) -> None:
     groups = _Listed(on).on(0)
-    assert list(_in_order(groups, strategy)) == sorted(on, key=rank(strategy))
+    assert list(in_order(groups, strategy)) == sorted(on, key=rank(strategy))
     if strategy == PreemptStrategy.MINIMUM_WASTE:
         assert _waste_cover(short, groups, set()) == cover_as_before(short, on, strategy)
     else:
-        assert _prefix(short, _in_order(groups, strategy)) == cover_as_before(short, on, strategy)
+        assert _prefix(short, in_order(groups, strategy)) == cover_as_before(short, on, strategy)
