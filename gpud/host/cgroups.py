@@ -160,6 +160,9 @@ class RunCgroup:
             _write(kill_file, "1")
             return len(pids)
         self.freeze(True)  # a frozen process forks no more; SIGKILL ends it all the same
+        # Pids read from the cgroup gpud made, and only gpud can move processes out of: a pid is
+        # another process's only once its own was killed and reaped meanwhile (then it is gone).
+        pids = self.pids()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
