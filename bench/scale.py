@@ -99,7 +99,8 @@ from gpud_client.connection import Connection
 from handoff import cpu_seconds, pin  # bench/, on the path when run as a script
 from harness import Run, machine_line, progress
 from percentiles import percentile
-from scale_allocs import GPUS, PER_GPU, AllocsConfig, allocs_phase, allocs_report, allocs_table, slow_turns
+from scale_allocs import GPUS, PER_GPU, AllocsConfig, allocs_phase, allocs_report, allocs_table, connect, slow_turns
+from scale_allocs import expect as allocs_expect
 
 PER_CONNECTION = 1000  # idle sessions (or queued leases) on one connection
 ANSWER_TIMEOUT_S = 60.0  # one answer; a batch of attaches on a large daemon takes a while
@@ -186,16 +187,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def expect(conn: Connection, kind: type, rid: int) -> Any:
-    msg = conn.recv(ANSWER_TIMEOUT_S)
-    if not isinstance(msg, kind) or getattr(msg, "id", None) != rid:
-        raise RuntimeError(f"expected {kind.__name__} for request {rid}, got {msg!r}")
-    return msg
-
-
-def connect(path: str, name: str) -> Connection:
-    conn = Connection(path)
-    conn.hello(name)
-    return conn
+    return allocs_expect(conn, kind, rid, ANSWER_TIMEOUT_S)
 
 
 def attach_idle(path: str, count: int) -> list[Connection]:

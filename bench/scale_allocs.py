@@ -161,8 +161,9 @@ def turn_max(turns: list[tuple[float, float, float]]) -> float | None:
 # --- talking to the daemon ----------------------------------------------------------
 
 
-def expect(conn: Connection, kind: type, rid: int) -> Any:
-    msg = conn.recv(WAIT_S)
+def expect(conn: Connection, kind: type, rid: int, timeout: float = WAIT_S) -> Any:
+    """The answer to ``rid``, of ``kind`` (scale.py's phases use these too)."""
+    msg = conn.recv(timeout)
     if not isinstance(msg, kind) or getattr(msg, "id", None) != rid:
         raise RuntimeError(f"expected {kind.__name__} for request {rid}, got {msg!r}")
     return msg

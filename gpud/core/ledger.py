@@ -1381,10 +1381,14 @@ class Ledger:
             Pool(lower, self.preemption.strategy),
         ]
 
-        if req.tenant is None:
-            return _one_per_task(choose(need, room, pools, None))
+        return _one_per_task(choose(need, room, pools, self._tenant_fits(req)))
 
-        def tenant_ok(victims: Sequence[Victim]) -> bool:
+    def _tenant_fits(self, req: Request) -> Callable[[Sequence[Victim]], bool] | None:
+        """Whether ``req`` fits its tenant's quota once these victims are gone (None: no tenant)."""
+        if req.tenant is None:
+            return None
+
+        def fits(victims: Sequence[Victim]) -> bool:
             minus: dict[str, int] = {}
             for c in victims:
                 for tenant, units in c.tenants().items() if isinstance(c, Chunk) else ((c.tenant, c.units),):
@@ -1396,8 +1400,7 @@ class Ledger:
                 return False
             return True
 
-        chosen = choose(need, room, pools, tenant_ok)
-        return _one_per_task(chosen)
+        return fits
 
     def _extras(self, priority: int) -> list[Candidate]:
         """Elastic allocations' GPUs above their minimum, of priorities up to ``priority``."""

@@ -146,19 +146,7 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
         Pool([c for c in lower if c.task_id not in taken], led.preemption.strategy),
     ]
 
-    def tenant_ok(victims: Sequence[Victim]) -> bool:
-        minus: dict[str, int] = {}
-        for c in victims:
-            for tenant, units in c.tenants().items() if isinstance(c, Chunk) else ((c.tenant, c.units),):
-                if tenant is not None:
-                    minus[tenant] = minus.get(tenant, 0) + units
-        try:
-            led._check_tenant(req, minus)
-        except Insufficient:
-            return False
-        return True
-
-    return expanded(_one_per_task(choose(need, room, pools, None if req.tenant is None else tenant_ok)))
+    return expanded(_one_per_task(choose(need, room, pools, led._tenant_fits(req))))
 
 
 def expanded(victims: Sequence[Victim]) -> list[Candidate]:
