@@ -12,9 +12,13 @@ returns. ``resume`` continues exactly the processes the pause stopped.
 
 A stopped process runs again on any SIGCONT of its uid, from anywhere. So while
 the tree is paused a watcher (``watch_s``, a thread) looks at what it stopped:
-a process that is no longer stopped, that used CPU time, or that appeared in the
-tree meanwhile escaped; it is stopped again at once and told to ``on_escape``
-(the run counts it, reports it to gpud and ends the program after too many). It
+a process that is no longer stopped, or that used CPU time after the first look
+(the first look only takes the tail of a group stop, as its last threads stop),
+escaped; it is stopped again at once and told to ``on_escape`` (the run counts
+it, reports it to gpud and ends the program after too many). A process that
+appeared in the tree meanwhile is stopped too, but is no escape: only a running
+process forks, so it is a fork the stop caught in flight, or the child of a
+process that escaped (and was counted). It
 never continues a process, and stops watching before ``resume`` continues any.
 Where gpud has a cgroup for the program, it freezes it instead (``cgroup.py``).
 """
@@ -164,6 +168,7 @@ class _Watcher(threading.Thread):
         self.tree = tree
         self.done = threading.Event()
         self.ticks = {pid: st.cpu_ticks for pid in pids if (st := read_stat(pid)) is not None}
+        self.settled = False  # the first look takes the group stop's tail as the baseline
 
     def run(self) -> None:
         b = self.backend
@@ -188,17 +193,20 @@ class _Watcher(threading.Thread):
                 del self.ticks[pid]
             elif st.state not in STOPPED_STATES:
                 found.append(self.stop_again(pid, f"it was running (state {st.state}) while paused"))
-            elif st.cpu_ticks - before >= ESCAPE_TICKS:
+            elif self.settled and st.cpu_ticks - before >= ESCAPE_TICKS:
                 ms = (st.cpu_ticks - before) * 1000 // CLK_TCK
                 found.append(self.stop_again(pid, f"it used {ms} ms of CPU time while paused"))
             else:
                 self.ticks[pid] = st.cpu_ticks
+        self.settled = True
         if rescan:
             for pid in self.tree.pids():
                 st = read_stat(pid)
                 if pid not in self.ticks and st is not None and st.state not in "ZX":
-                    found.append(self.stop_again(pid, "it started while the tree was paused"))
+                    late = self.stop_again(pid, "it started while the tree was paused")
                     self.backend._stopped.append(pid)
+                    if late.fatal:
+                        found.append(late)
         return found
 
     def stop_again(self, pid: int, why: str) -> Escape:
