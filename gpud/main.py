@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +31,7 @@ from gpud.host.config import (
 from gpud.host.devices import Gpu, discover
 from gpud.host.logging import configure_logging
 from gpud.host.metrics import Metrics
-from gpud.serving.listener import open_listener, serve
+from gpud.serving.listener import open_listener, serve, socket_origin
 from gpud.serving.server import Daemon
 
 log = structlog.get_logger(__name__)
@@ -95,16 +97,20 @@ def start_metrics(config: Config, registry: CollectorRegistry) -> None:
 
 
 async def run(config: Config, reload_config: Callable[[], Config]) -> None:
+    inherited = systemd.listen_fds()  # first: `starting` names the socket gpud will serve
+    activated = inherited[0] if inherited else None
+    socket_path, socket_from = socket_origin(config, activated)
     log.info(
         "starting",
         version=__version__,
         pid=os.getpid(),
-        socket=config.socket,
+        socket=socket_path,
+        socket_from=socket_from,
         mode=str(config.mode),
         state_dir=config.state_dir,
         metrics_addr=config.metrics_addr,
     )
-    state = lockfile.acquire(config.state_dir)  # one daemon per state directory
+    state = lockfile.acquire(config.state_dir)  # one daemon per state directory; was the last one's a crash?
     clean = False
     try:
         grace_s = config.restart_grace_s if state.crashed_pid is not None else 0.0
@@ -123,7 +129,7 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
         gc.collect()
         gc.freeze()
         try:
-            await _serve(daemon, config, registry, reload_config)
+            await _serve(daemon, config, registry, reload_config, state, activated)
         finally:
             daemon.allocations.store.close()  # after the last write: every request is refused by now
         clean = True
@@ -146,7 +152,12 @@ async def _discover(config: Config) -> list[Gpu]:
 
 
 async def _serve(
-    daemon: Daemon, config: Config, registry: CollectorRegistry, reload_config: Callable[[], Config]
+    daemon: Daemon,
+    config: Config,
+    registry: CollectorRegistry,
+    reload_config: Callable[[], Config],
+    state: lockfile.StateLock,
+    activated: socket.socket | None,
 ) -> None:
     daemon.links.descriptor_room = descriptor_room()
     if daemon.links.max_connections < config.max_connections:
@@ -158,15 +169,20 @@ async def _serve(
         )
     systemd.open_notify_socket()  # now, while descriptors are free: the watchdog must ping even when none are
     start_metrics(config, registry)
-    inherited = systemd.listen_fds()
-    listener, own_socket = await open_listener(config, inherited[0] if inherited else None)
+    listener, own_socket = await open_listener(config, activated)
+    socket_path, socket_from = socket_origin(config, activated)
     try:
         # Signals are caught before READY=1: a reload or stop sent as soon as systemd (or anyone)
         # hears READY must find gpud's handlers, not the default actions that end the process.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(daemon.runs.run)  # runs' cgroups: leftovers (before any HELLO), freezes
-                await nursery.start(serve, daemon, listener)
+                # Marked before the first accept, never after a grant: from here a death is a crash that
+                # clients may have to learn of (the restart grace); a start that failed before is none.
+                state.mark_serving()
+                await nursery.start(
+                    functools.partial(serve, socket_path=socket_path, socket_from=socket_from), daemon, listener
+                )
                 systemd.notify(f"READY=1\nSTATUS={_status(daemon)}")
                 interval = systemd.watchdog_interval_s()
                 if interval:

@@ -75,3 +75,17 @@ def watchdog_interval_s(environ: Mapping[str, str] | None = None) -> float | Non
         return int(usec) / 2e6
     except ValueError:
         return None
+
+
+def socket_name(sock: socket.socket) -> str:
+    """What a passed socket is bound to, as logs show it: its path, ``@name`` for an abstract
+    Unix socket, ``host:port`` for an IP one."""
+    try:
+        name = sock.getsockname()
+    except OSError as exc:
+        return f"fd {sock.fileno()} ({exc.strerror or exc})"
+    if isinstance(name, bytes):  # Linux's abstract namespace
+        return "@" + name[1:].decode(errors="replace") if name[:1] == b"\0" else name.decode(errors="replace")
+    if isinstance(name, tuple):
+        return f"{name[0]}:{name[1]}"
+    return str(name) or f"fd {sock.fileno()} (unnamed)"

@@ -1,10 +1,11 @@
 """The listening socket and the daemon's task group: accept, timers, monitor.
 
 ``open_listener`` claims the socket path (a stale socket is removed, a live
-one refused) or takes the one systemd passed; ``serve`` starts one timer per
-GPU, the allocations' timer, the monitor and the accept loop, and reports
-readiness with ``task_status.started()``. Each accepted connection is served by
-``gpud.serving.connections``.
+one refused) or takes the one systemd passed; ``socket_origin`` names the one
+served, for the logs (systemd's, never the configured path in its place).
+``serve`` starts one timer per GPU, the allocations' timer, the monitor and the
+accept loop, and reports readiness with ``task_status.started()``. Each
+accepted connection is served by ``gpud.serving.connections``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import errno
 import os
 import socket
 import stat
+from typing import Literal
 
 import structlog
 import trio
 
 from gpud.host.config import Config
 from gpud.host.devices import sampler_for
+from gpud.host.systemd import socket_name
 from gpud.serving.connections import serve_connection
 from gpud.serving.monitor import run_monitor
 from gpud.serving.server import Daemon
@@ -61,6 +64,17 @@ def _claim_socket_path(path: str) -> None:
         raise RuntimeError(f"another daemon is listening on {path} (stop it first, or set socket to another path)")
     finally:
         probe.close()
+
+
+SocketFrom = Literal["config", "systemd"]
+
+
+def socket_origin(config: Config, inherited: socket.socket | None) -> tuple[str, SocketFrom]:
+    """The socket served, as ``starting`` and ``ready`` name it: the one systemd passed (what it is
+    bound to; ``config.socket`` is ignored then), or ``config.socket``."""
+    if inherited is None:
+        return config.socket, "config"
+    return socket_name(inherited), "systemd"
 
 
 class OwnSocket:
@@ -125,8 +139,14 @@ async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream) -> None:
 
 
 async def serve(
-    daemon: Daemon, listener: trio.SocketListener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    daemon: Daemon,
+    listener: trio.SocketListener,
+    *,
+    socket_path: str | None = None,
+    socket_from: SocketFrom = "config",
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """``socket_path``, ``socket_from``: the socket ``ready`` names (``socket_origin``), else ``config.socket``."""
     async with trio.open_nursery() as nursery:
         for slot in daemon.slots:
             nursery.start_soon(run_timer, daemon, slot)
@@ -134,6 +154,10 @@ async def serve(
         nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
         nursery.start_soon(accept_loop, daemon, listener, nursery)
         log.info(
-            "ready", socket=daemon.config.socket, gpus=len(daemon.slots), max_connections=daemon.links.max_connections
+            "ready",
+            socket=daemon.config.socket if socket_path is None else socket_path,
+            socket_from=socket_from,
+            gpus=len(daemon.slots),
+            max_connections=daemon.links.max_connections,
         )
         task_status.started()

@@ -3,6 +3,7 @@ socket activation, SIGHUP reload and SIGTERM shutdown, against a real daemon."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -260,3 +261,71 @@ def test_a_signal_sent_the_moment_ready_is_heard_is_handled(sig: signal.Signals)
             assert '"shutdown"' in d.log()
     finally:
         d.cleanup()
+
+
+# What systemd does: the listening socket as fd 3, LISTEN_FDS=1, LISTEN_PID = the daemon's pid.
+LAUNCHER = (
+    "import os, sys\n"
+    "os.dup2(int(sys.argv[1]), 3)\n"
+    "os.environ['LISTEN_PID'] = str(os.getpid()); os.environ['LISTEN_FDS'] = '1'\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _activate(how: str, path: str, argv: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    """gpud started on the socket at ``path`` the way systemd starts it: by systemd-socket-activate
+    (which listens, and execs gpud on the first connection), or by hand with the same descriptors."""
+    with open(log_path, "wb") as log:
+        if how == "systemd-socket-activate":
+            tool = shutil.which("systemd-socket-activate")
+            if tool is None:
+                pytest.skip("systemd-socket-activate is not installed")
+            keep = [arg for name in env for arg in ("-E", name)]  # it passes on only PATH, HOME, TERM otherwise
+            proc = subprocess.Popen([tool, "-l", path, *keep, *argv], env=env, stdout=log, stderr=log)
+
+            def first_connection() -> bool:  # what starts the service; gpud accepts it later and reads its end
+                assert proc.poll() is None, Path(log_path).read_text()
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+                    try:
+                        first.connect(path)
+                    except (FileNotFoundError, ConnectionRefusedError):  # not bound, or not listening yet
+                        return False
+                return True
+
+            eventually(first_connection, f"{tool} listens on {path}", timeout=30)
+            return proc
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(16)
+            cmd = [sys.executable, "-c", LAUNCHER, str(listener.fileno()), *argv]
+            return subprocess.Popen(cmd, env=env, stdout=log, stderr=log, pass_fds=(listener.fileno(),))
+
+
+@pytest.mark.parametrize("how", ["systemd-socket-activate", "pass_fds"])
+def test_starting_and_ready_name_the_socket_systemd_passed(how: str) -> None:
+    work = tempfile.mkdtemp(prefix="gpud-sn-", dir="/tmp")
+    path, unused = os.path.join(work, "activated.sock"), os.path.join(work, "unused.sock")
+    notify = NotifyListener(os.path.join(work, "notify"))
+    notify.sock.settimeout(60)  # a fresh interpreter on a busy machine
+    env = {**os.environ, "NOTIFY_SOCKET": os.path.join(work, "notify")}
+    argv = [GPUD, "--socket", unused, "--simulate", "1", "--metrics-addr", "off", "--log-format", "json"]
+    argv += ["--state-dir", work + "/state"]
+    log_path = os.path.join(work, "gpud.log")
+    proc = _activate(how, path, argv, env, log_path)
+    try:
+        notify.wait_for("READY=1")
+        with Client(path, name="activated") as c:
+            assert c.status().gpus[0].index == 0
+        lines = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.startswith("{")]
+        said = {e["event"]: e for e in lines if e["event"] in ("starting", "ready")}
+        for event in ("starting", "ready"):
+            assert event in said, lines
+            assert (said[event]["socket"], said[event].get("socket_from")) == (path, "systemd"), said[event]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert not os.path.exists(unused)
+    finally:
+        proc.kill()
+        proc.wait()
+        notify.sock.close()
+        shutil.rmtree(work, ignore_errors=True)
