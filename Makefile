@@ -19,6 +19,15 @@ SYSUSERSDIR = /usr/lib/sysusers.d
 TMPFILESDIR = /usr/lib/tmpfiles.d
 
 VENVDIR = $(DESTDIR)$(PREFIX)
+# The interpreter the service's environment is built on (its python links to it): the
+# distribution's, not the first python3 in PATH, which for root with pyenv, uv or conda lies
+# under /root, hidden from the service by ProtectHome=yes. `make install PYTHON=...` names
+# another; install/check_python.py refuses one that the service or gpuctl's users could not run.
+ifeq ($(origin PYTHON),file)
+INSTALL_PYTHON = /usr/bin/python3
+else
+INSTALL_PYTHON = $(PYTHON)
+endif
 # What the two builds read: each project's metadata and packages, the README that
 # gpud's metadata names, and the licence files setuptools picks up by name.
 LICENCES = LICEN[CS]E* COPYING* NOTICE* AUTHORS*
@@ -50,8 +59,8 @@ test: $(STAMP)
 
 # Lint and layout (ruff, rules in pyproject.toml) and types (mypy --strict on gpud and gpud_client), outside pytest.
 check: $(STAMP)
-	$(VENV)/bin/ruff check gpud client bench tests examples
-	$(VENV)/bin/ruff format --check gpud client bench tests examples
+	$(VENV)/bin/ruff check gpud client bench tests examples install
+	$(VENV)/bin/ruff format --check gpud client bench tests examples install
 	$(VENV)/bin/python -m mypy
 
 # The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
@@ -72,7 +81,10 @@ clean:
 # keeps DESTDIR builds free of side effects on this machine.
 install:
 	@case '$(PREFIX)' in /?*) ;; *) echo 'PREFIX must be an absolute path of its own, e.g. /opt/gpud' >&2; exit 1;; esac
-	umask 022 && $(PYTHON) -m venv '$(VENVDIR)'
+	@command -v '$(INSTALL_PYTHON)' >/dev/null || { echo "make install: there is no $(INSTALL_PYTHON); install the distribution's python3 and python3-venv, or name one with PYTHON=/path/to/python3" >&2; exit 1; }
+	@'$(INSTALL_PYTHON)' install/check_python.py '$(INSTALL_PYTHON)'
+# umask 022 for what is made without a mode of its own: the service's user and gpuctl's users read it.
+	umask 022 && '$(INSTALL_PYTHON)' -m venv '$(VENVDIR)'
 	umask 022 && src=$$(mktemp -d) && trap 'rm -rf "$$src"' EXIT && \
 	  tar -c --exclude=__pycache__ $(BUILD_SOURCES) | tar -x -C "$$src" && \
 	  $(PIP) install --quiet "$$src/client" "$$src"

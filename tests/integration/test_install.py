@@ -1,7 +1,10 @@
 """`make install` into a DESTDIR: a virtual environment at /opt/gpud whose scripts name
 their final path, links in /usr/local/bin, units that name those links and pass
 `systemd-analyze verify` under the staged root, a daemon that runs from the installed
-package alone, and `make uninstall` taking back every file it made.
+package alone, and `make uninstall` taking back every file it made. The environment is
+built on the system's /usr/bin/python3 unless PYTHON= names another, and an interpreter
+that the service or another user could not run (in a home directory, or closed to other
+users) is refused before anything is written.
 
 One install (pip, from its cache where it can) serves the module; the tests that
 change a tree work on copies of it."""
@@ -9,13 +12,14 @@ change a tree work on copies of it."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -25,25 +29,46 @@ import gpud
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "/opt/gpud"  # the virtual environment, as the default install names it
 STAGED_VENV = PREFIX.lstrip("/")  # the same under DESTDIR
+SYSTEM_PYTHON = "/usr/bin/python3"  # what the install builds on unless PYTHON= names another
+CHECK = ROOT / "install/check_python.py"
 pytestmark = [
     pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed"),
     pytest.mark.timeout(600),  # pip may have to fetch the dependencies on a fresh machine
 ]
 
 
-def make(*args: str) -> subprocess.CompletedProcess[str]:
+def run_make(*args: str, env: Mapping[str, str] = {}, umask: int = -1) -> subprocess.CompletedProcess[str]:
     # Under `make test` the outer make's MAKEFLAGS (its variables, its jobserver) would
-    # leak into this one; the install must see only what is passed here.
-    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}}
-    out = subprocess.run(
-        ["make", "-C", str(ROOT), *args, f"PYTHON={sys.executable}"],
-        env=env,
+    # leak into this one, and a PYTHON in the environment would choose the interpreter;
+    # the install must see only what is passed here.
+    leaks = {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "PYTHON"}
+    return subprocess.run(
+        ["make", "-C", str(ROOT), *args],
+        env={k: v for k, v in os.environ.items() if k not in leaks} | dict(env),
+        umask=umask,
         capture_output=True,
         text=True,
         timeout=540,
     )
+
+
+def make(*args: str, umask: int = -1) -> subprocess.CompletedProcess[str]:
+    out = run_make(*args, umask=umask)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
+
+
+def passes_the_check(python: str) -> bool:
+    if not os.access(python, os.X_OK):
+        return False
+    return subprocess.run([python, str(CHECK), python], capture_output=True, timeout=60).returncode == 0
+
+
+def open_dir() -> Path:
+    """A fresh directory under /tmp that every user may enter (mkdtemp's are closed)."""
+    top = Path(tempfile.mkdtemp(prefix="gpud-stage-", dir="/tmp")).resolve()
+    top.chmod(0o755)
+    return top
 
 
 def files_under(root: Path) -> list[str]:
@@ -87,10 +112,117 @@ def exec_start(unit: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("install") / "root"
-    make("install", f"DESTDIR={root}")
-    yield root
+def python() -> str:
+    """An interpreter the install accepts: the system's, else the base of the one running the tests."""
+    for candidate in (SYSTEM_PYTHON, sys._base_executable):
+        if passes_the_check(candidate):
+            return candidate
+    pytest.skip(f"neither {SYSTEM_PYTHON} nor {sys._base_executable} can carry the service here")
+
+
+@pytest.fixture(scope="module")
+def build_args(python: str) -> list[str]:
+    """What make install is given to build on ``python``: nothing at all for the system's."""
+    return [] if python == SYSTEM_PYTHON else [f"PYTHON={python}"]
+
+
+@pytest.fixture(scope="module")
+def staged(build_args: list[str]) -> Iterator[Path]:
+    """Staged where another user can reach it, by a shell whose umask (077, as a hardened
+    root's may be) would close everything the install writes if the install let it."""
+    top = open_dir()
+    try:
+        make("install", f"DESTDIR={top / 'root'}", *build_args, umask=0o077)
+        yield top / "root"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_environment_is_built_on_the_system_python_by_default(staged: Path, build_args: list[str]) -> None:
+    if build_args:
+        pytest.skip(f"{SYSTEM_PYTHON} cannot carry the service on this machine")
+    assert "home = /usr/bin" in (staged / STAGED_VENV / "pyvenv.cfg").read_text().splitlines()
+    assert os.path.realpath(staged / STAGED_VENV / "bin/python") == os.path.realpath(SYSTEM_PYTHON)
+
+
+def test_what_install_writes_is_open_to_other_users_whatever_the_umask(staged: Path) -> None:
+    closed = []
+    for path in [staged, *staged.rglob("*")]:
+        if not path.is_symlink():
+            mode = path.stat().st_mode
+            need = 0o005 if path.is_dir() or mode & 0o100 else 0o004
+            if mode & need != need:
+                closed.append(f"{path.relative_to(staged)} {mode & 0o777:o}")
+    assert closed == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a program as another user needs root")
+def test_another_user_runs_the_installed_gpuctl(staged: Path) -> None:
+    """The old failure: built on root's pyenv Python, gpuctl failed for everyone else with
+    Permission denied."""
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    bindir = staged / STAGED_VENV / "bin"
+    out = subprocess.run(
+        [str(bindir / "python"), str(bindir / "gpuctl"), "--version"],
+        user=nobody.pw_uid,
+        group=nobody.pw_gid,
+        extra_groups=[],
+        env=away_from_the_checkout() | {"HOME": "/nonexistent"},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and f"gpuctl {gpud.__version__}" in out.stdout, out.stdout + out.stderr
+
+
+def refused(*args: str, env: Mapping[str, str] = {}) -> str:
+    """make install's refusal: what it said, having written nothing under DESTDIR."""
+    top = open_dir()
+    try:
+        out = run_make("install", f"DESTDIR={top / 'root'}", *args, env=env)
+        assert out.returncode != 0 and not (top / "root").exists(), out.stdout + out.stderr
+        return out.stderr
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_an_interpreter_in_a_home_directory_is_refused_and_nothing_is_installed(python: str) -> None:
+    """As pyenv leaves it: a python3 outside the home that links to an interpreter inside one."""
+    top = open_dir()
+    try:
+        home = top / "home/alice"
+        inside = home / ".pyenv/versions/3/bin/python3"
+        inside.parent.mkdir(parents=True)
+        shutil.copy2(os.path.realpath(python), inside)  # a copy finds its library where it was built
+        if subprocess.run([inside, "-c", "pass"], capture_output=True, timeout=60).returncode != 0:
+            pytest.skip(f"a copy of {python} does not run elsewhere")
+        link = top / "bin/python3"
+        link.parent.mkdir()
+        link.symlink_to(inside)
+        said = refused(f"PYTHON={link}", env={"GPUD_INSTALL_HOMES": str(home)})
+        assert f"make install: refusing {link} ({inside}): {inside} lies in the home directory {home}" in said, said
+        assert "install with PYTHON=/usr/bin/python3, or another python3 outside home directories" in said, said
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_an_interpreter_other_users_cannot_reach_is_refused_and_nothing_is_installed(python: str) -> None:
+    top = open_dir()
+    try:
+        locked = top / "locked"
+        locked.mkdir(mode=0o750)
+        locked.chmod(0o750)  # whatever the umask
+        link = locked / "python3"
+        link.symlink_to(os.path.realpath(python))
+        said = refused(f"PYTHON={link}")
+        assert f"make install: refusing {link} (" in said, said
+        assert f"other users may not pass through {locked} (mode 0750)" in said, said
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_the_links_and_scripts_name_the_final_paths(staged: Path) -> None:
@@ -105,7 +237,9 @@ def test_the_links_and_scripts_name_the_final_paths(staged: Path) -> None:
     for path in (staged / STAGED_VENV / "bin").iterdir():
         if path.is_file() and not path.is_symlink():
             assert str(staged) not in path.read_text(errors="replace"), path
-    assert f'VIRTUAL_ENV="{PREFIX}"' in (staged / STAGED_VENV / "bin/activate").read_text()
+    # quoted or not, as the Python that built it writes it
+    activate = (staged / STAGED_VENV / "bin/activate").read_text().splitlines()
+    assert {f"VIRTUAL_ENV={PREFIX}", f'VIRTUAL_ENV="{PREFIX}"', f"VIRTUAL_ENV='{PREFIX}'"} & set(activate), activate
 
 
 def test_the_installed_package_runs_from_its_own_site_packages(staged: Path) -> None:
@@ -198,11 +332,14 @@ def verify_under_root(staged: Path, root: Path) -> tuple[Callable[[], subprocess
     return (lambda: analyze_verify(f"--root={root}", "gpud.service", "gpud.socket")), root / STAGED_VENV / "bin/gpud"
 
 
-def verify_at_real_paths(base: Path) -> tuple[Callable[[], subprocess.CompletedProcess[str]], Path]:
+def verify_at_real_paths(
+    base: Path, build_args: list[str]
+) -> tuple[Callable[[], subprocess.CompletedProcess[str]], Path]:
     """For a systemd-analyze that cannot verify under --root (systemd 249 and older): a second
     install, to real paths where the unit's ExecStart= and its link resolve on this machine."""
     make(
         "install",
+        *build_args,
         f"PREFIX={base}/venv",
         f"BINDIR={base}/bin",
         f"UNITDIR={base}/units",
@@ -214,11 +351,13 @@ def verify_at_real_paths(base: Path) -> tuple[Callable[[], subprocess.CompletedP
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_the_installed_units_pass_verify_against_the_installed_gpud(staged: Path, tmp_path: Path) -> None:
+def test_the_installed_units_pass_verify_against_the_installed_gpud(
+    staged: Path, build_args: list[str], tmp_path: Path
+) -> None:
     verify, installed_gpud = verify_under_root(staged, tmp_path / "root")
     out = verify()
     if "only supported for cat-config" in out.stderr:
-        verify, installed_gpud = verify_at_real_paths(tmp_path / "real")
+        verify, installed_gpud = verify_at_real_paths(tmp_path / "real", build_args)
         out = verify()
     problems = [line for line in (out.stdout + out.stderr).splitlines() if "gpud" in line]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
