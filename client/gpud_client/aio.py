@@ -172,7 +172,8 @@ class AsyncClient(AsyncDriver):
         ``memory_probe`` is read at each slice's end and reported when it
         moved; with torch already imported, PyTorch's reserved memory is the
         default probe and ``mem_limit`` also caps PyTorch's allocator.
-        ``on_lost`` is told at once when the session loses a lock it held. ``task_id``: the
+        ``on_lost`` is told at once when the session loses a lock it held (and says what it makes
+        of it: the library then logs the loss at INFO, not as a warning). ``task_id``: the
         fractional allocation the session belongs to, whose share caps its limits. ``on_park``
         makes the session parkable (a supervisor of a program, ``gpuctl run``): it is told when
         the daemon needs the program's GPU memory while the session does not hold the lock, and
@@ -376,6 +377,12 @@ class AsyncClient(AsyncDriver):
     async def reset_allocations(self) -> None:
         """Admin: release every allocation on the node."""
         await self.call(p.ResetAllocations(id=0))
+
+    async def set_labels(self, labels: dict[str, str]) -> None:
+        """The labels this client is known by from now on (``gpuctl clients`` shows them), kept for
+        the HELLO of a reconnect; sent without waiting (nothing is sent while gpud is away)."""
+        self.labels = dict(labels)
+        self._post(p.Relabel(id=0, labels=self.labels))
 
     async def close(self) -> None:
         """Close the connection; the daemon frees every lock and session of it."""

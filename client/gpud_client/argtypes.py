@@ -29,7 +29,7 @@ class UsageError(Exception):
 
 
 def gpu_ref(text: str) -> int | str:
-    return int(text) if text.isdigit() else text
+    return int(text) if text.isascii() and text.isdigit() else text
 
 
 def _num(x: float) -> str:
@@ -199,20 +199,32 @@ task_type = _text(p.TaskType, "a task type")
 tenant = _text(p.Name, "a tenant name")
 
 
-def _ref(limit: Any, what: str) -> Callable[[str], int | str]:
-    """An argparse type for a number or a name (a GPU, a client), held to the protocol's type."""
+def _ref(limit: Any, what: str, names: Callable[[str], bool] = lambda name: True) -> Callable[[str], int | str]:
+    """An argparse type for a number or a name (a GPU, a client), held to the protocol's type;
+    ``names``: whether a name can name one at all."""
 
     def check(text: str) -> int | str:
         try:
-            ref: int | str = msgspec.convert(gpu_ref(text), limit)
+            ref: int | str | None = msgspec.convert(gpu_ref(text), limit)
         except msgspec.ValidationError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(text)!r}") from None
+            ref = None
+        if ref is None or isinstance(ref, str) and not names(ref):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {printable(text)!r}")
         return ref
 
     return check
 
 
-gpu_arg = _ref(p.GpuRef, f"a GPU index 0..{p.MAX_GPUS - 1}, gpu:N or a GPU's UUID")
+def _names_a_gpu(name: str) -> bool:
+    """``gpu:N`` with N an index, or a UUID as NVML gives it (``GPU-…``, ``MIG-…``; gpud compares them
+    without case): anything else (``-1``, ``cuda0``) could never name a GPU, so it is bad usage, not a
+    question for gpud."""
+    if name.startswith("gpu:"):
+        return re.fullmatch(r"gpu:\d+", name, re.ASCII) is not None and int(name[4:]) < p.MAX_GPUS
+    return name.lower().startswith(("gpu-", "mig-")) and len(name) > 4
+
+
+gpu_arg = _ref(p.GpuRef, f"a GPU index 0..{p.MAX_GPUS - 1}, gpu:N or a GPU's UUID", _names_a_gpu)
 client_arg = _ref(p.ClientRef, "a client id (1 or more) or a client name (printable)")
 
 

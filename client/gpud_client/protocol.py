@@ -235,6 +235,14 @@ class Hello(_Msg, tag="HELLO", frozen=True, kw_only=True):
     labels: Labels = {}
 
 
+class Relabel(_Msg, tag="LABELS", frozen=True, kw_only=True):
+    """The client's labels from now on, in place of HELLO's (a run says what it is doing: ``run.state``).
+    Not answered."""
+
+    id: RequestId
+    labels: Labels = {}
+
+
 class Attach(_Msg, tag="ATTACH", frozen=True, kw_only=True):
     """Open a session on one GPU; answered by ATTACHED."""
 
@@ -432,7 +440,7 @@ class Protect(_Msg, tag="PROTECT", frozen=True, kw_only=True):
 
 class Drain(_Msg, tag="DRAIN", frozen=True, kw_only=True):
     """Admin: no new grants on a GPU, its allocations preempted with their recovery (on), or back in
-    service (off). Locks and leases finish their turn. Answered OK."""
+    service (off). Locks and leases finish their turn. Answered DRAINED."""
 
     id: RequestId
     gpu: GpuRef
@@ -559,6 +567,7 @@ class RunsReply(_Reply, tag="RUNS_REPLY", frozen=True, kw_only=True):
 
 ClientMessage = Union[
     Hello,
+    Relabel,
     Attach,
     Detach,
     LockRequest,
@@ -679,6 +688,8 @@ class PolicyInfo(Struct, frozen=True, kw_only=True):
     max_wait_ms: int
     queue_limit: int
     hold_max_ms: int
+    uids: list[int] = []  # with gids: the only non-admins who may use it (both empty: anyone)
+    gids: list[int] = []
 
 
 class PoliciesReply(_Reply, tag="POLICIES_REPLY", frozen=True, kw_only=True):
@@ -703,8 +714,10 @@ class Allocated(_Reply, tag="ALLOCATED", frozen=True, kw_only=True):
     gpus_max: int | None = None
     protected: bool = False
     state: AllocState = AllocState.RUNNING
-    preemptible: bool = True  # False: production, protected, or no one to tell (``why``)
-    why: str = ""  # why it is in its state, or why it is not preemptible
+    preemptible: bool = True  # False: nothing may take it back now (``why``: production, protected,
+    # no one to tell, inside its minimum runtime...)
+    why: str = ""  # why it is in its state, or why it is not preemptible now
+    preemptible_in_s: float | None = None  # not preemptible for this long yet (None: not by time alone)
     deadline_s: float | None = None  # preempting: seconds left in its grace
     resume: bool = False  # this start resumes a task preempted before (its checkpoint is there)
     preemptions: int = 0  # how often this task was preempted
@@ -789,6 +802,16 @@ class MemLimitExceeded(_Reply, tag="MEM_LIMIT_EXCEEDED", frozen=True, kw_only=Tr
 
 class Ok(_Reply, tag="OK", frozen=True, kw_only=True):
     id: RequestId
+
+
+class Drained(_Reply, tag="DRAINED", frozen=True, kw_only=True):
+    """DRAIN's answer: the GPU (its index) drains now or not, and whether it did before (the same:
+    nothing changed)."""
+
+    id: RequestId
+    gpu: int  # its index
+    draining: bool
+    was_draining: bool
 
 
 class Error(_Reply, tag="ERROR", frozen=True, kw_only=True):
@@ -969,6 +992,7 @@ class ClientsReply(_Reply, tag="CLIENTS_REPLY", frozen=True, kw_only=True):
 
 DaemonMessage = Union[
     Welcome,
+    Drained,
     Attached,
     LimitsSet,
     LimitsChanged,

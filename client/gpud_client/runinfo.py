@@ -2,9 +2,10 @@
 
 A run says HELLO with these labels; ``gpuctl clients`` and ``gpuctl top`` read
 them back to show a run as a run: its program's pid, command and backend, and
-its state from its session (running while it holds the lock, parked while its
-GPU memory is in host memory, paused otherwise). Tiny on purpose: gpuctl
-imports it.
+its state as the run says it (``run.state``, sent again at each change: a
+suspended run, one that checkpoints or waits to restart, is not "running"
+for lack of a session); from a run that does not say it, the state is
+guessed from its session. Tiny on purpose: gpuctl imports it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from gpud_client import protocol as p
 from gpud_client.units import printable
 
-COMMAND, PID, BACKEND = "run.command", "run.pid", "run.backend"
+COMMAND, PID, BACKEND, STATE = "run.command", "run.pid", "run.backend", "run.state"
 
 
 def run_labels(command: list[str], program_pid: int, backend: str) -> dict[str, str]:
@@ -32,7 +33,7 @@ class RunInfo:
     program_pid: str
     command: str
     backend: str
-    state: str  # starting, running, paused, parked
+    state: str  # RunShown: starting, running, paused, parked, suspended, waiting-to-restart...
 
 
 def run_info(client: p.ClientInfo, session: p.SessionInfo | None) -> RunInfo | None:
@@ -40,7 +41,9 @@ def run_info(client: p.ClientInfo, session: p.SessionInfo | None) -> RunInfo | N
     labels = client.labels
     if PID not in labels:
         return None
-    if session is None:
+    if STATE in labels:  # the run's own word (``RunCore.shown``): suspended, waiting to restart...
+        state = labels[STATE]
+    elif session is None:
         state = "running"  # whole GPUs: never paused, no session
     elif session.state == "holding":
         state = "running"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import structlog
@@ -119,12 +119,14 @@ class Allocations(Part):
         now = self.clock()
         for task_id, reason in loaded.unreadable:
             self._set_aside(task_id, f"unreadable record: {reason}")
+        restored: Counter[str] = Counter()
         for rec, uid in loaded.records:
             try:
                 self.ledger.restore_record(rec, now)
             except (ValueError, Refused) as exc:  # the node shrank, or the record contradicts another
                 self._set_aside(rec.task_id, str(exc))
                 continue
+            restored[_restored_as(rec)] += 1
             self.owners.recorded(rec.task_id, rec, uid)
             owner = rec.allocation or rec.suspended or rec.waiting
             if owner is not None and owner.owner_pid is not None:
@@ -136,8 +138,15 @@ class Allocations(Part):
         self.ledger.mark_stored()  # as restored (times brought within reach: no need to write them)
         for task_id in self.uids:
             self._reach(task_id)
-        if self.uids:
-            log.info("allocations_restored", count=len(self.uids), path=self.store.path)
+        if restored:  # history alone is no allocation: named apart
+            log.info(
+                "allocations_restored",
+                count=restored["allocation"],
+                suspended=restored["suspended"],
+                waits=restored["wait"],
+                history=restored["history"],
+                path=self.store.path,
+            )
 
     def _set_aside(self, task_id: str, reason: str) -> None:
         log.error(
@@ -250,6 +259,7 @@ class Allocations(Part):
             alloc = self.ledger.allocate(req, now, rejoin=rejoin)
         except Insufficient as short:
             self._counted("insufficient")
+            log.info("allocation_refused", task_id=msg.task_id, priority=priority, why=short.message)
             raise Refused(p.ErrorCode.INSUFFICIENT, short.message) from None
         if suspended:  # its holder again (a new connection after a restart): told when it resumes
             self._hold(msg.task_id, conn, msg.notify)
@@ -433,10 +443,13 @@ class Allocations(Part):
         self.advance(now)  # unprotected, it may be what a waiter takes back
         return p.Ok(id=msg.id)
 
-    def drain(self, conn: ClientLink, msg: p.Drain, now: int) -> p.Ok:
+    def drain(self, conn: ClientLink, msg: p.Drain, now: int) -> p.Drained:
         if not self.access.is_admin(conn):
             raise Refused(p.ErrorCode.PERMISSION_DENIED, f"draining a GPU needs admin rights (uid {conn.uid})")
         gpu = self.refs.index(msg.gpu)
+        was = gpu in self.ledger.draining()
+        if was == msg.on:  # drained already, or never: nothing to do, nothing to log
+            return p.Drained(id=msg.id, gpu=gpu, draining=was, was_draining=was)
         cp = self.ledger.checkpoint()
         effects = self.ledger.drain(gpu, msg.on, now)
         self._sync(cp, f"GPU {gpu} was not {'drained' if msg.on else 'put back'}", draining=True)
@@ -444,7 +457,7 @@ class Allocations(Part):
         log.warning("gpu_draining" if msg.on else "gpu_undrained", gpu=gpu, by_pid=conn.pid)
         self.effects.carry_out(effects, now)
         self.advance(now)  # the drain's notices
-        return p.Ok(id=msg.id)
+        return p.Drained(id=msg.id, gpu=gpu, draining=msg.on, was_draining=was)
 
     def _suspended(self, task_id: str) -> Allocation | None:
         return self.ledger.suspended_of(task_id)
@@ -672,6 +685,7 @@ class Allocations(Part):
         self.links.send(conn, self.answer(rid, e.allocation, (now - since) / 1000))
 
     def _expired(self, e: Expired, now: int) -> None:
+        log.info("allocation_expired", task_id=e.task_id, why=e.reason.message)
         self._answer_error(e.task_id, p.ErrorCode.INSUFFICIENT, f"{e.reason.message} (waited the full wait_ms)")
         self._counted("insufficient")
         self._settle(e.task_id)
@@ -680,7 +694,9 @@ class Allocations(Part):
 
     def answer(self, rid: int, alloc: Allocation, waited_ms: float, state: p.AllocState | None = None) -> p.Allocated:
         notice = self.ledger.notice_of(alloc.task_id)
-        why = self.ledger.not_preemptible(alloc)
+        now = self.clock()
+        shield = self.ledger.shield(alloc, now)
+        why = "" if shield is None else shield.text(now)
         if state is None:
             state = p.AllocState.RUNNING if notice is None else p.AllocState.PREEMPTING
         if notice is not None:
@@ -706,8 +722,9 @@ class Allocations(Part):
             gpus_max=alloc.gpus_max or None,
             protected=alloc.protected,
             state=state,
-            preemptible=not self.ledger.not_preemptible(alloc),
+            preemptible=shield is None,
             why=why,
+            preemptible_in_s=None if shield is None else shield.left_s(now),
             deadline_s=None if notice is None else round(max(0, notice.deadline - self.clock()) / 1e6, 3),
             resume=alloc.resume,
             preemptions=alloc.preemptions,
@@ -755,7 +772,7 @@ class Allocations(Part):
                     waited_s=round((now - since) / 1e6, 3),
                     why=why,
                 )
-                for r, since, why in self.ledger.waiter_info()
+                for r, since, why in self.ledger.waiter_info(now)
             ],
             draining=sorted(self.ledger.draining()),
             gpus=gpus,
@@ -893,3 +910,13 @@ def _preemption(config: Config) -> PreemptionConfig:
 
 def _quotas(config: Config) -> dict[str, TenantQuota]:
     return {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}
+
+
+def _restored_as(rec: TaskRecord) -> str:
+    """What a stored record puts back: an allocation, a suspended one, a wait, or only the preemption
+    history of a task that ended (its next allocation hears of it)."""
+    if rec.allocation is not None:
+        return "allocation"
+    if rec.suspended is not None:
+        return "suspended"
+    return "wait" if rec.waiting is not None else "history"

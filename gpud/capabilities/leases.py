@@ -306,6 +306,8 @@ class Leases(Part):
                 max_wait_ms=t.max_wait_ms,
                 queue_limit=t.queue_limit,
                 hold_max_ms=t.hold_max_ms,
+                uids=sorted(self.policies[name].uids),
+                gids=sorted(self.policies[name].gids),
             )
         return out
 

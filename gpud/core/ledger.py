@@ -96,7 +96,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from heapq import merge
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 import msgspec
@@ -106,12 +106,16 @@ from gpud.core.errors import LimitReached, Refused
 from gpud.core.journal import JDict, Journal
 from gpud.core.ledger_index import DRAIN, LedgerIndex, Queued, as_victim
 from gpud.core.preemption import Candidate, Chunk, Need, Pool, Room, Victim, choose
+from gpud.core.shields import AT_MINIMUM, MIN_RUNTIME, OFF, PRODUCTION, PROTECTED, RESTING, UNREACHABLE, Blocked, Shield
+from gpud.core.sortedkeys import SortedKeys
 from gpud_client.protocol import ErrorCode, PreemptReason, PreemptStrategy, Recovery, Strategy
 from gpud_client.units import GPU_UNIT, fixed_gpus
 
 UNIT = GPU_UNIT  # one GPU
 NOTICE_BATCH = 64  # notices told, withdrawn or carried out per call, at most (the shell spends ~60-90 us on each)
 IMMUNITY_BATCH = 1024  # expired immunities forgotten per ``advance``
+BLOCKERS_READ = 64  # allocations read to say why nothing could be taken back for a request
+BLOCKED_WAITERS = 16  # waiters (the first in the queue) whose listing says what is in their way
 PLAN_READ = 8 * NOTICE_BATCH  # planned victims looked at per call (those no longer to tell cost no notice)
 IDLE = "idle"  # the ``by`` of an elastic allocation's notice to give back what idles
 
@@ -478,7 +482,7 @@ class Ledger:
             return self._place(req, now)
         except Insufficient as short:
             if req.wait_us <= 0:
-                raise
+                raise self.explained(short, req, now) from None
             if len(self._waiting) >= self._max_waiters:
                 raise LimitReached(
                     "max_allocation_waiters", f"{short.message}, and {len(self._waiting)} requests already wait"
@@ -711,7 +715,7 @@ class Ledger:
         for task_id in self._index.due_waits(now):
             w = self._waiting.get(task_id)
             if w is not None and now >= w.deadline and not self._leaving(w):
-                why = self._why[task_id]
+                why = self.explained(self._why[task_id], w.request, now)
                 effects += self._unwait(task_id, now)
                 effects.append(Expired(task_id, why))
         if (first := self._index.first_immunity()) is not None and first <= now:
@@ -779,16 +783,21 @@ class Ledger:
     def waiting(self) -> list[Request]:
         return [self._waiting[t].request for _, _, t in self._waiters if self._waiting[t].suspended is None]
 
-    def waiter_info(self) -> list[tuple[Request, int, str]]:
-        """Each waiter that is not a suspended allocation: its request, since when, and why it waits."""
-        out = []
+    def waiter_info(self, now: int) -> list[tuple[Request, int, str]]:
+        """Each waiter that is not a suspended allocation: its request, since when, and why it waits:
+        the victims it waits for that have not left yet, else why it does not fit and (for the first
+        ``BLOCKED_WAITERS`` in the queue) why nothing could be taken back for it."""
+        out: list[tuple[Request, int, str]] = []
         for _, _, t in self._waiters:
             w = self._waiting[t]
             if w.suspended is not None:
                 continue
-            why = self._why[t].message
-            if w.victims or w.plan:
-                why = _waits_for(w)
+            if self._leaving(w):
+                why = _waits_for(w, self._index.told.get(t))
+            elif len(out) < BLOCKED_WAITERS:
+                why = self.explained(self._why[t], w.request, now).message
+            else:
+                why = self._why[t].message
             out.append((w.request, w.since, why))
         return out
 
@@ -813,17 +822,69 @@ class Ledger:
     def draining(self) -> frozenset[int]:
         return frozenset(self._draining)
 
-    def not_preemptible(self, alloc: Allocation) -> str:
-        """Why ``alloc`` is never chosen as a victim ("" when it may be)."""
+    def shield(self, alloc: Allocation, now: int) -> Shield | None:
+        """What keeps ``alloc`` from being taken back now by a request of a higher priority, and
+        until when; None: nothing does (the one rule of what ALLOCATE, ALLOCS and a refusal say).
+        A drain is the operator's: it takes production and protected allocations too."""
         if alloc.protected:
-            return "protected by an admin"
+            return PROTECTED
         if alloc.priority >= 100:
-            return "production priority"
+            return PRODUCTION
+        if not self.preemption.enabled:
+            return OFF
         if alloc.task_id not in self.reachable:
-            return "no one to tell: no client holds it and it has no owner process gpud may signal"
+            return UNREACHABLE
         if alloc.on_preempt == Recovery.SHRINK and not alloc.extras:
-            return "on_preempt shrink, at its minimum"
-        return ""
+            return AT_MINIMUM
+        if (rest := self._immune.get(alloc.task_id)) is not None and rest > now:
+            return Shield(RESTING, rest)
+        mature = alloc.created_us + self.preemption.min_runtime_us
+        if alloc.priority > 0 and now < mature and not alloc.extras and not self._over_quota(alloc.tenant):
+            return Shield(MIN_RUNTIME, mature)  # (extras and borrowed quota are taken at any time)
+        return None
+
+    def _over_quota(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` uses more than its quota (what it borrowed may be reclaimed)."""
+        quota = self._tenants.get(tenant or "")
+        return quota is not None and self.tenant_usage(tenant or "") > quota.gpus
+
+    def _blocked(self, req: Request, now: int) -> Blocked:
+        """Why nothing could be taken back for ``req``: the allocations on the GPUs it may use (or
+        holding CPU cores, for a request of cores alone), at most ``BLOCKERS_READ`` of them, each by
+        what keeps it there."""
+        out = Blocked(now)
+        if req.gpus:
+            ids: Iterable[str] = chain.from_iterable(self._gpus[g.spec.index].tasks for g in self._open_gpus(req))
+        else:
+            ids = (t for t, a in self._allocs.items() if a.cpus)
+        seen: set[str] = set()
+        for t in ids:
+            if t in seen:
+                continue
+            if len(seen) == BLOCKERS_READ:
+                out.read_all = False
+                break
+            seen.add(t)
+            a = self._allocs[t]
+            if (n := self._notices.get(t)) is not None:
+                out.add(t, "told to leave already" + ("" if n.by in (DRAIN, IDLE) else f" (for task {n.by})"))
+            elif (waiter := self._index.chosen.get(t)) is not None:
+                out.add(t, f"chosen to leave for task {waiter}")
+            elif a.priority >= req.priority and not (a.extras and a.priority <= req.priority):
+                out.add(t, f"not of a lower priority than {req.priority}")
+            elif (shield := self.shield(a, now)) is not None:
+                out.add_shield(t, shield)
+            elif req.wait_us <= 0:
+                out.add(t, "of a lower priority: taken back only for a request that waits (wait_ms)")
+            else:
+                out.add(t, "may be taken back, but would not make room enough")
+        return out
+
+    def explained(self, short: Insufficient, req: Request, now: int) -> Insufficient:
+        """``short`` with why nothing could be taken back for ``req`` (what was in its way)."""
+        if short.what == "tenant_quota" or not (blocked := self._blocked(req, now)):
+            return short
+        return Insufficient(short.what, f"{short.message}; {blocked.text()}")
 
     def fractions_on(self, gpu: int) -> list[Allocation]:
         """The fractional allocations on ``gpu`` (their sessions are limited to their share)."""
@@ -1568,14 +1629,15 @@ def _planned(victims: list[Victim]) -> tuple[tuple[str, ...], tuple[Candidate, .
     return tuple(ids), tuple(how)
 
 
-def _waits_for(w: _Waiter) -> str:
-    """Why a waiter with victims waits (a few of them named: it may have thousands)."""
-    names = w.victims
+def _waits_for(w: _Waiter, told: SortedKeys[str] | None) -> str:
+    """Why a waiter with victims waits: those ``told`` for it that have not left yet (a few of them
+    named: it may have thousands), and how many of its plan are still to be told."""
+    names = list(islice(told or (), 8 + 1))
     if len(names) > 8:
-        told = f"{len(names)} allocations ({', '.join(names[:3])}, ...)"
+        leaving = f"{len(told or ())} allocations ({', '.join(names[:3])}, ...)"
     else:
-        told = ", ".join(names)
-    if not told:
+        leaving = ", ".join(names)
+    if not leaving:
         return f"waits for {len(w.plan)} allocations to be told to leave"
     more = f"; {len(w.plan)} more to be told" if w.plan else ""
-    return f"waits for {told} to leave (their grace runs){more}"
+    return f"waits for {leaving} to leave (their grace runs){more}"

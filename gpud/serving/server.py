@@ -97,7 +97,7 @@ class Daemon:
             self.settle_all,
             lambda g: self.allocations.ledger.gpu_free(g) < UNIT,  # no walk over its tasks: STATUS stays cheap
         )
-        self.handlers: dict[type, Handler] = {p.Hello: self.hello}
+        self.handlers: dict[type, Handler] = {p.Hello: self.hello, p.Relabel: self.relabel}
         # gpuctl run's programs: their cgroups, frozen and thawed by gpud (docs/run.md)
         self.runs = Runs(self.links, metrics, self.faults, lambda: self.config, clock, lambda: self.shutting_down)
         for part in (self.locks, self.leases, self.allocations, self.admin, self.status, self.runs):
@@ -119,6 +119,10 @@ class Daemon:
             raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
         self.effects.run_after_answer()  # an earlier request's, when its caller sent no answer (tests)
         return handler(conn, msg, self.now())
+
+    def relabel(self, conn: ClientLink, msg: p.Relabel, now: int) -> None:
+        """The client's labels, replaced (what ``gpuctl clients`` shows; a run's state)."""
+        conn.labels = dict(msg.labels)
 
     def hello(self, conn: ClientLink, msg: p.Hello, now: int) -> p.Welcome:
         if conn.greeted:

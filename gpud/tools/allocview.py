@@ -41,9 +41,12 @@ def elastic(a: p.Allocated) -> str:
 
 
 def preemptible(a: p.Allocated) -> str:
+    """yes, no, protected, or when it will be (inside its minimum runtime: ``in 240s``)."""
     if a.protected:
         return "protected"
-    return "yes" if a.preemptible else "no"
+    if a.preemptible:
+        return "yes"
+    return "no" if a.preemptible_in_s is None else f"in {a.preemptible_in_s:.0f}s"
 
 
 ALLOC_HEADER = [

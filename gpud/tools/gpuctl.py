@@ -163,7 +163,7 @@ def render_clients(reply: p.ClientsReply, programs: p.RunsReply | None = None) -
     runs += [["-", str(r.pid), *_kernel_says(r, "?"), "unclaimed", "-"] for r in unclaimed]  # their runs are away
     if not runs:
         return table
-    header = ["CLIENT", "PROGRAM PID", "BACKEND", "STATE", "ESCAPES", "ASKED", "COMMAND"]
+    header = ["CLIENT", "PROGRAM PID", "BACKEND", "STATE", "ESCAPES", "RUN", "COMMAND"]
     return table + "\n\nRUNS\n" + _table(runs, header)
 
 
@@ -198,10 +198,24 @@ def render_leases(reply: p.LeasesReply) -> str:
 
 def render_policies(reply: p.PoliciesReply) -> str:
     rows = [
-        [name, str(pi.priority), str(pi.busy_policy), f"{pi.max_wait_ms}ms", str(pi.queue_limit), f"{pi.hold_max_ms}ms"]
+        [
+            name,
+            str(pi.priority),
+            str(pi.busy_policy),
+            f"{pi.max_wait_ms}ms",
+            str(pi.queue_limit),
+            f"{pi.hold_max_ms}ms",
+            _reserved_for(pi),
+        ]
         for name, pi in reply.policies.items()
     ]
-    return _table(rows, ["TASK", "PRIORITY", "BUSY", "MAX WAIT", "QUEUE LIMIT", "HOLD MAX"])
+    return _table(rows, ["TASK", "PRIORITY", "BUSY", "MAX WAIT", "QUEUE LIMIT", "HOLD MAX", "RESERVED FOR"])
+
+
+def _reserved_for(pi: p.PolicyInfo) -> str:
+    """Who besides admins may use a reserved policy: ``uid 1000,1001 gid 27``; ``-``: anyone."""
+    who = [f"{kind} {','.join(map(str, ids))}" for kind, ids in (("uid", pi.uids), ("gid", pi.gids)) if ids]
+    return " ".join(who) or "-"
 
 
 def _emit(args: argparse.Namespace, obj: msgspec.Struct, text: str, **extra: Any) -> None:
@@ -268,7 +282,12 @@ def _call(args: argparse.Namespace, msg: msgspec.Struct, timeout: float = 10.0) 
 
 
 def _where(gpu: int | str | None) -> str:
-    return "every GPU" if gpu is None else f"GPU {gpu}"
+    """The GPUs a change applies to, as a sentence names them: every GPU, GPU 1, or its UUID."""
+    if gpu is None:
+        return "every GPU"
+    if isinstance(gpu, str) and not gpu.startswith("gpu:"):
+        return gpu
+    return f"GPU {gpu if isinstance(gpu, int) else gpu[4:]}"
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -291,18 +310,19 @@ def cmd_clients(args: argparse.Namespace) -> None:
 
 def cmd_tq(args: argparse.Namespace) -> None:
     _call(args, _message(p.SetTq, seconds=args.seconds, gpu=args.gpu))
-    _done(args, f"time quantum set to {args.seconds:g}s on {_where(args.gpu)}", tq_s=args.seconds, gpu=args.gpu)
+    _done(args, f"the time quantum is {args.seconds:g}s on {_where(args.gpu)}", tq_s=args.seconds, gpu=args.gpu)
 
 
 def cmd_sched(args: argparse.Namespace) -> None:
     on = args.state == "on"
     _call(args, _message(p.SchedOn if on else p.SchedOff, gpu=args.gpu))
-    _done(args, f"scheduler {args.state} on {_where(args.gpu)}", scheduler_on=on, gpu=args.gpu)
+    what = "" if on else ": every request is granted at once"
+    _done(args, f"the scheduler is {args.state} for {_where(args.gpu)}{what}", scheduler_on=on, gpu=args.gpu)
 
 
 def cmd_mode(args: argparse.Namespace) -> None:
     _call(args, _message(p.SetMode, mode=args.mode, gpu=args.gpu))
-    _done(args, f"mode {args.mode} on {_where(args.gpu)}", mode=args.mode, gpu=args.gpu)
+    _done(args, f"{_where(args.gpu)} is in {args.mode} mode", mode=args.mode, gpu=args.gpu)
 
 
 def cmd_leases(args: argparse.Namespace) -> None:
@@ -363,17 +383,15 @@ def cmd_alloc(args: argparse.Namespace) -> None:
         wait_ms=args.wait_ms,
         owner_pid=args.owner_pid,
         owner_any_uid=args.owner_any_uid,
+        notify=False,  # gpuctl does not stay to be told: the answer says who can be (the owner)
     )
     reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
     asked = args.on_preempt or span or priority in (p.PriorityClass.SPOT, p.PRIORITY_OF_CLASS[p.PriorityClass.SPOT])
-    if asked and args.owner_pid is None and not args.protected and not args.json:
-        # gpuctl does not stay to be told: without an owner pid no one can be, and gpud never takes
-        # back what it cannot announce. stdout is for eval: the note goes to stderr.
-        print(
-            f"gpuctl: note: task {reply.task_id} is not preemptible: no one to tell "
-            "(give --owner-pid, or run the task with gpuctl run)",
-            file=sys.stderr,
-        )
+    if asked and not reply.preemptible and not args.protected and not args.json:
+        # Asked to be preemptible and is not (gpud's word, as ALLOCS says it): stdout is for eval,
+        # the note goes to stderr.
+        hint = " (give --owner-pid, or run the task with gpuctl run)" if args.owner_pid is None else ""
+        print(f"gpuctl: note: task {reply.task_id} is not preemptible: {reply.why}{hint}", file=sys.stderr)
     env = allocation_env(reply)
     if args.json:
         _emit(args, reply, "", env=env)
@@ -396,11 +414,17 @@ def cmd_allocs(args: argparse.Namespace) -> None:
 
 
 def cmd_drain(args: argparse.Namespace) -> None:
-    _call(args, _message(p.Drain, gpu=args.gpu, on=args.on))
-    what = (
-        "no new allocations there; its allocations are preempted with their recovery" if args.on else "back in service"
-    )
-    _done(args, f"GPU {args.gpu} {'draining' if args.on else 'undrained'}: {what}", gpu=args.gpu, draining=args.on)
+    reply = _call(args, _message(p.Drain, gpu=args.gpu, on=args.on))
+    gpu, was = (reply.gpu, reply.was_draining) if isinstance(reply, p.Drained) else (args.gpu, not args.on)
+    if was == args.on:  # gpud's word: nothing changed
+        what = (
+            f"GPU {gpu} drains already: nothing changed" if args.on else f"GPU {gpu} was not draining: nothing changed"
+        )
+    elif args.on:
+        what = f"GPU {gpu} draining: no new allocations there; its allocations are preempted with their recovery"
+    else:
+        what = f"GPU {gpu} undrained: back in service"
+    _done(args, what, gpu=gpu, draining=args.on, changed=was != args.on)
 
 
 def cmd_protect(args: argparse.Namespace) -> None:

@@ -65,7 +65,7 @@ def test_a_drop_pauses_releases_and_asks_again_then_a_grant_resumes() -> None:
 
 def test_a_lost_lock_pauses_and_ends_the_open_slice_before_asking_again() -> None:
     core = running()
-    assert [type(a) for a in core.lost(1.0)] == [Pause, Release, Request]
+    assert [type(a) for a in core.lost(1.0)] == [Pause, Say, Release, Request]
     assert core.lost(1.1) == []
 
 

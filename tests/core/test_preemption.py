@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpud.core import shields
 from gpud.core.errors import Refused
 from gpud.core.ledger import (
     UNIT,
@@ -385,7 +386,7 @@ def test_spot_at_any_time() -> None:
 def test_production_and_protected_never(terms: dict[str, object], why: str) -> None:
     led = node(gpus=1)
     a = hold(led, "a", 1, 0, **terms)
-    assert led.not_preemptible(a) == why
+    assert (led.shield(a, 0) or shields.Shield("")).why == why
     wait(led, "w", 1, MATURE, priority=100)
     assert led.advance(MATURE) == [] and led.advance(10 * MATURE) == []
 
@@ -396,7 +397,7 @@ def test_protect_and_unprotect() -> None:
     assert led.protect("a", True).protected
     wait(led, "w", 1, 1, priority=50)
     assert led.advance(1) == []
-    assert led.not_preemptible(led.protect("a", False)) == ""
+    assert led.shield(led.protect("a", False), 2) is None
     assert set(noticed(led.advance(2))) == {"a"}
     with pytest.raises(Refused) as err:
         led.protect("nobody", True)
@@ -406,7 +407,7 @@ def test_protect_and_unprotect() -> None:
 def test_no_one_to_tell_never() -> None:
     led = node(gpus=1)
     a = led.allocate(req("oneshot", 1, priority=0), 0)
-    assert a is not None and "no one to tell" in led.not_preemptible(a)
+    assert a is not None and "no one to tell" in (led.shield(a, 0) or shields.Shield("")).why
     wait(led, "w", 1, 1, priority=50)
     assert led.advance(1) == []
     led.reachable.add("oneshot")  # a client holds it now
@@ -611,7 +612,7 @@ def test_shrink_takes_only_the_extras_never_the_whole() -> None:
     assert led.history_of("e") == (0, False)  # giving back a loan is no preemption
     wait(led, "w2", 1, MATURE + 2, priority=50)
     shrunk = led.get("e")
-    assert shrunk is not None and led.not_preemptible(shrunk) == "on_preempt shrink, at its minimum"
+    assert shrunk is not None and led.shield(shrunk, 0) == shields.AT_MINIMUM
     assert led.advance(MATURE + 2) == [] and led.advance(10 * MATURE) == []
 
 
@@ -838,7 +839,7 @@ def test_a_restart_in_the_middle_goes_on(order: str) -> None:
     assert fresh.records() == led.records()
     assert fresh.notice_of("v") == led.notice_of("v") and fresh.notice_of("s") == led.notice_of("s")
     assert fresh.next_deadline() == led.next_deadline() == 10 * S + MIN_RUN + GRACE
-    assert [r.task_id for r in fresh.waiting()] == ["w"] and fresh.waiter_info()[0][2].startswith("waits for s, v")
+    assert [r.task_id for r in fresh.waiting()] == ["w"] and fresh.waiter_info(now)[0][2].startswith("waits for s, v")
     assert fresh.suspended() == led.suspended() and fresh.history_of("ck") == (1, True)
     assert fresh.advance(now + 1) == []
     effects = fresh.advance(10 * S + MIN_RUN + GRACE)

@@ -104,7 +104,10 @@ def test_a_wait_expires_with_a_clear_answer(node: Node) -> None:
     node.advance(1)
     [err] = c.received()
     assert err.code == p.ErrorCode.INSUFFICIENT
-    assert err.message == "task 'late': 1 whole GPU(s) asked, 0 entirely free now (waited the full wait_ms)"
+    assert err.message == (
+        "task 'late': 1 whole GPU(s) asked, 0 entirely free now; nothing could be taken back: "
+        "all: not of a lower priority than 50 (waited the full wait_ms)"
+    )
     assert listing(c).waiting == []
 
 

@@ -177,7 +177,8 @@ def test_drain_tells_every_allocation_on_the_gpu_and_refuses_new_work(node: Node
     holder = node.connect("holder")
     alloc(holder, "prod-job", gpus=0.5, priority=0)
     admin = node.connect("admin", uid=0, gid=0)
-    assert isinstance(admin.call(p.Drain(id=0, gpu=0)), p.Ok)
+    drained = admin.call(p.Drain(id=0, gpu=0))
+    assert isinstance(drained, p.Drained) and (drained.gpu, drained.draining, drained.was_draining) == (0, True, False)
     (notice,) = holder.pushes(p.Preempt)
     assert (notice.reason, notice.by) == (p.PreemptReason.DRAIN, "drain")
     status = admin.call(p.Status(id=0)).gpus[0]

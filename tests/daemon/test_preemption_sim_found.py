@@ -61,7 +61,7 @@ def test_a_holder_back_on_a_draining_gpu_wakes_the_timer_that_tells_it_to_leave(
     alloc(holder, "job", gpus=1.0, priority=10)
     node.close(holder)
     admin = node.connect("admin", uid=0, gid=0)
-    assert isinstance(admin.call(p.Drain(id=0, gpu=0)), p.Ok)
+    assert isinstance(admin.call(p.Drain(id=0, gpu=0)), p.Drained)
     assert node.next_deadline() is None  # no one to tell, nothing to wait for
     node.daemon.allocations_wake = trio.Event()  # the timer task sleeps on this until woken
     back = node.connect("holder")

@@ -169,3 +169,21 @@ def test_a_reloaded_log_level_takes_effect(daemon_factory: Callable[..., DaemonP
     eventually(lambda: len(_events(d, "config_reload_needs_restart")) == 2, "second warning", why=d.log)
     assert len(_events(d, "config_reloaded")) == seen  # info: not written since
     assert all(e.get("name") != "quiet" for e in _events(d, "client_attached"))
+
+
+def test_gpuctl_policy_shows_who_a_reserved_policy_is_for(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    cfg = tmp_path / "gpud.toml"
+    cfg.write_text(
+        '[policies.ASR]\npriority = 90\nbusy_policy = "WAIT"\nmax_wait_ms = 3000\nuids = [1001, 1000]\ngids = [2001]\n'
+    )
+    d = daemon_factory("--simulate", "1", "--config", str(cfg))
+    table = _gpuctl(d, "policy").splitlines()
+    header = table[0].split()
+    assert header[-3:] == ["MAX", "RESERVED", "FOR"]
+    rows = {line.split()[0]: line for line in table[1:]}
+    assert rows["ASR"].rstrip().endswith("uid 1000,1001 gid 2001")
+    assert rows["OTHER"].rstrip().endswith(" -")
+    asr = json.loads(_gpuctl(d, "policy", "ASR", "--json"))["policies"]["ASR"]
+    assert (asr["uids"], asr["gids"]) == ([1000, 1001], [2001])

@@ -211,7 +211,11 @@ def test_json_errors_for_refusals_and_an_absent_daemon(daemon: DaemonProcess) ->
     out = gpuctl("alloc", "--task", "late", "--json", "--socket", daemon.socket)
     assert (out.returncode, out.stdout) == (1, ""), out.stderr
     assert json.loads(out.stderr) == {
-        "error": {"code": "insufficient", "message": "1 whole GPU(s) asked, 0 entirely free now"}
+        "error": {
+            "code": "insufficient",
+            "message": "1 whole GPU(s) asked, 0 entirely free now; "
+            "nothing could be taken back: hog: not of a lower priority than 50",
+        }
     }
     out = gpuctl("--json", "tq", "5", "--gpu", "7", "--socket", daemon.socket)
     assert out.returncode == 1 and json.loads(out.stderr)["error"]["code"] == "unknown_gpu"
@@ -258,3 +262,69 @@ def test_no_reserve_shows_the_total(daemon_factory: Callable[..., DaemonProcess]
     out = gpuctl("status", "--socket", d.socket)
     head, _, gpu0 = out.stdout.splitlines()
     assert head.endswith("; usable memory is the total (no reserve)") and " 0B/8GiB " in gpu0
+
+
+def test_tq_sched_and_mode_say_what_is_now_true(daemon: DaemonProcess) -> None:
+    def said(*args: str) -> str:
+        out = gpuctl(*args, "--socket", daemon.socket)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert said("sched", "off") == "the scheduler is off for every GPU: every request is granted at once\n"
+    assert said("sched", "on", "--gpu", "1") == "the scheduler is on for GPU 1\n"
+    assert (
+        said("sched", "off", "--gpu", "gpu:0") == "the scheduler is off for GPU 0: every request is granted at once\n"
+    )
+    assert said("sched", "on") == "the scheduler is on for every GPU\n"
+    assert said("mode", "serial", "--gpu", "1") == "GPU 1 is in serial mode\n"
+    assert said("mode", "auto") == "every GPU is in auto mode\n"
+    assert said("tq", "2.5", "--gpu", "1") == "the time quantum is 2.5s on GPU 1\n"
+    assert said("tq", "30") == "the time quantum is 30s on every GPU\n"
+    uuid = json.loads(said("status", "--json"))["gpus"][1]["uuid"]
+    assert said("mode", "concurrent", "--gpu", uuid) == f"{uuid} is in concurrent mode\n"
+    data = json.loads(said("status", "--json"))
+    assert [(g["scheduler_on"], g["mode"], g["tq_s"]) for g in data["gpus"]] == [
+        (True, "auto", 30.0),
+        (True, "concurrent", 30.0),
+    ]
+
+
+NO_GPU = "must be a GPU index 0..1023, gpu:N or a GPU's UUID, got '-1'"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["drain", "-1"], f"gpuctl drain: error: argument GPU: {NO_GPU}"),
+        (["undrain", "-1"], f"gpuctl undrain: error: argument GPU: {NO_GPU}"),
+        (["drain", "gpu:-1"], "argument GPU: must be a GPU index 0..1023, gpu:N or a GPU's UUID, got 'gpu:-1'"),
+        (["drain", "cuda0"], "argument GPU: must be a GPU index 0..1023, gpu:N or a GPU's UUID, got 'cuda0'"),
+        (["tq", "5", "--gpu", "-1"], f"gpuctl tq: error: argument --gpu: {NO_GPU}"),
+        (["tq", "5", "--gpu=-1"], f"gpuctl tq: error: argument --gpu: {NO_GPU}"),
+        (["sched", "on", "--gpu", "-1"], f"gpuctl sched: error: argument --gpu: {NO_GPU}"),
+        (["mode", "serial", "--gpu", "-1"], f"gpuctl mode: error: argument --gpu: {NO_GPU}"),
+        (["limit", "trainer", "--core", "5", "--gpu", "-1"], f"gpuctl limit: error: argument --gpu: {NO_GPU}"),
+        (["alloc", "--task", "t", "--prefer", "0,-1"], f"gpuctl alloc: error: argument --prefer: {NO_GPU}"),
+    ],
+)
+def test_what_names_no_gpu_is_usage_before_connecting(args: list[str], needle: str) -> None:
+    out = gpuctl(*args, "--socket", ABSENT)
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr
+    assert needle in out.stderr, out.stderr
+    assert "cannot connect" not in out.stderr
+
+
+def test_drain_minus_one_is_usage_not_the_daemons_unknown_gpu(daemon: DaemonProcess) -> None:
+    out = gpuctl("drain", "-1", "--socket", daemon.socket)
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr
+    assert out.stderr.splitlines() == [
+        "usage: gpuctl drain [-h] [--socket SOCKET] [--json] GPU",
+        f"gpuctl drain: error: argument GPU: {NO_GPU}",
+    ]
+    out = gpuctl("drain", "-1", "--json", "--socket", daemon.socket)
+    assert out.returncode == 2 and json.loads(out.stderr)["error"] == {
+        "code": "usage",
+        "message": f"argument GPU: {NO_GPU}",
+    }
+    data = json.loads(gpuctl("status", "--json", "--socket", daemon.socket).stdout)
+    assert [g["draining"] for g in data["gpus"]] == [False, False]

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from gpud.core.shields import UNREACHABLE as UNREACHABLE_SHIELD
 from gpud.tools import gpuctl as gpuctl_module
 from gpud.tools.allocview import render_allocs
 from gpud.tools.gpuctl import render_status
@@ -29,6 +30,7 @@ from .wire import connect, expect
 # --- bad usage: exit 2, nothing sent ------------------------------------------------------------
 
 ALLOC = ["alloc", "--task", "t"]
+UNREACHABLE = UNREACHABLE_SHIELD.why
 
 
 @pytest.mark.parametrize(
@@ -97,7 +99,9 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[msgspec.Struct]:
     def call(args: Any, msg: msgspec.Struct, timeout: float = 10.0) -> Any:
         got.append(msg)
         if isinstance(msg, p.Allocate):
-            return allocated(msg, preemptible=False, why="no owner pid and no connection to tell")
+            return allocated(msg, preemptible=False, why=UNREACHABLE)
+        if isinstance(msg, p.Drain):
+            return p.Drained(id=0, gpu=1, draining=msg.on, was_draining=not msg.on)
         return p.Ok(id=0)
 
     monkeypatch.setattr(gpuctl_module, "_call", call)
@@ -125,8 +129,8 @@ def test_alloc_without_the_new_flags_sends_what_it_did_before(sent: list[msgspec
     assert gpuctl(*ALLOC, "--gpus", "2", "--priority", "0").returncode == 0
     assert gpuctl(*ALLOC, "--gpus", "0.5", "--on-preempt", "checkpoint").returncode == 0
     plain, checkpoint = sent
-    assert plain == p.Allocate(id=0, task_id="t", gpus=2.0, priority=0)
-    assert checkpoint == p.Allocate(id=0, task_id="t", gpus=0.5, on_preempt=p.Recovery.CHECKPOINT)
+    assert plain == p.Allocate(id=0, task_id="t", gpus=2.0, priority=0, notify=False)
+    assert checkpoint == p.Allocate(id=0, task_id="t", gpus=0.5, on_preempt=p.Recovery.CHECKPOINT, notify=False)
 
 
 @pytest.mark.parametrize("flags", [["--priority", "spot"], ["--priority", "0"], ["--on-preempt", "suspend"]])
@@ -134,11 +138,11 @@ def test_alloc_says_on_stderr_when_what_was_asked_cannot_happen(sent: list[msgsp
     out = gpuctl(*ALLOC, *flags)
     assert out.returncode == 0 and out.stdout.startswith("export "), out
     assert out.stderr == (
-        "gpuctl: note: task t is not preemptible: no one to tell (give --owner-pid, or run the task with gpuctl run)\n"
+        f"gpuctl: note: task t is not preemptible: {UNREACHABLE} (give --owner-pid, or run the task with gpuctl run)\n"
     )
     assert gpuctl(*ALLOC, "--priority", "normal").stderr == ""  # nothing asked of preemption: nothing said
     out = gpuctl(*ALLOC, *flags, "--json")  # stderr is for JSON errors alone: the answer says it
-    assert out.stderr == "" and json.loads(out.stdout)["why"] == "no owner pid and no connection to tell"
+    assert out.stderr == "" and json.loads(out.stdout)["why"] == UNREACHABLE
 
 
 @pytest.mark.parametrize(
@@ -148,13 +152,13 @@ def test_alloc_says_on_stderr_when_what_was_asked_cannot_happen(sent: list[msgsp
             ["drain", "1"],
             p.Drain(id=0, gpu=1, on=True),
             "GPU 1 draining: no new allocations there; its allocations are preempted with their recovery",
-            {"ok": True, "gpu": 1, "draining": True},
+            {"ok": True, "gpu": 1, "draining": True, "changed": True},
         ),
         (
             ["undrain", "gpu:1"],
             p.Drain(id=0, gpu="gpu:1", on=False),
-            "GPU gpu:1 undrained: back in service",
-            {"ok": True, "gpu": "gpu:1", "draining": False},
+            "GPU 1 undrained: back in service",
+            {"ok": True, "gpu": 1, "draining": False, "changed": True},
         ),
         (
             ["protect", "etl-1"],
@@ -378,6 +382,15 @@ def test_drain_shows_draining_then_drained_and_undrain_ends_it(daemon: DaemonPro
     assert mode_of(daemon, 1) == "auto" and as_json(daemon, "allocs")["draining"] == []
 
 
+def test_a_drain_that_changes_nothing_says_so(daemon: DaemonProcess) -> None:
+    assert run(daemon, "undrain", "0") == "GPU 0 was not draining: nothing changed\n"
+    assert as_json(daemon, "undrain", "0") == {"ok": True, "gpu": 0, "draining": False, "changed": False}
+    assert run(daemon, "drain", "0").startswith("GPU 0 draining: ")
+    assert run(daemon, "drain", "gpu:0") == "GPU 0 drains already: nothing changed\n"
+    assert run(daemon, "undrain", "0") == "GPU 0 undrained: back in service\n"
+    assert as_json(daemon, "allocs")["draining"] == []
+
+
 def test_elastic_alloc_with_its_recovery_is_listed(daemon: DaemonProcess, owner: str) -> None:
     got = as_json(daemon, "alloc", "--task", "el", "--gpus", "1..2", "--on-preempt", "shrink", "--owner-pid", owner)
     assert (got["gpus_min"], got["gpus_max"], got["on_preempt"]) == (1, 2, "shrink")
@@ -392,10 +405,22 @@ def test_a_one_shot_spot_alloc_is_not_preemptible_and_says_why(daemon: DaemonPro
     assert out.returncode == 0 and out.stdout.startswith("export "), out.stderr
     assert out.stderr.startswith("gpuctl: note: task spotty is not preemptible: no one to tell"), out.stderr
     [a] = as_json(daemon, "allocs")["allocations"]
-    assert (a["priority"], a["preemptible"]) == (0, False) and a["why"]
+    assert (a["priority"], a["preemptible"], a["why"]) == (0, False, UNREACHABLE)
     lines = run(daemon, "allocs").splitlines()
     cells = columns(lines[0], lines[1])
     assert cells["PREEMPTIBLE"] == "no" and cells["WHY"] == a["why"]
+
+
+def test_the_answer_to_alloc_and_allocs_agree(daemon: DaemonProcess, owner: str) -> None:
+    """One rule: what ALLOCATE answers is what ALLOCS says right after, for a one-shot gpuctl alloc
+    (nobody to tell once it exits) and for one with an owner."""
+    got = as_json(daemon, "alloc", "--task", "oneshot", "--gpus", "1", "--priority", "spot")
+    listed = {a["task_id"]: a for a in as_json(daemon, "allocs")["allocations"]}
+    assert (got["preemptible"], got["why"]) == (False, UNREACHABLE)
+    assert (listed["oneshot"]["preemptible"], listed["oneshot"]["why"]) == (False, UNREACHABLE)
+    got = as_json(daemon, "alloc", "--task", "owned", "--gpus", "1", "--priority", "spot", "--owner-pid", owner)
+    listed = {a["task_id"]: a for a in as_json(daemon, "allocs")["allocations"]}
+    assert (got["preemptible"], got["why"]) == (listed["owned"]["preemptible"], listed["owned"]["why"]) == (True, "")
 
 
 def test_protect_and_unprotect(daemon: DaemonProcess, owner: str) -> None:

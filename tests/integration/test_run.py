@@ -9,6 +9,8 @@ every wait is on state with a deadline.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -296,8 +298,8 @@ def _run(*args: str, socket: str | None = None) -> subprocess.CompletedProcess[s
     [
         (["--gpus", "1.5", "--", "true"], 2, "--gpus: must be a whole number of GPUs >= 1 or a fraction"),
         (["--gpu", "0", "--gpus", "0.5", "--", "true"], 2, "--gpu (a place on one GPU) and --gpus"),
-        (["--cpus", "2", "--", "true"], 2, "--cpus belong to an allocation"),
-        (["--gpus", "1", "--core-limit", "50", "--", "true"], 2, "--core-limit do nothing with whole GPUs"),
+        (["--cpus", "2", "--", "true"], 2, "--cpus belongs to an allocation"),
+        (["--gpus", "1", "--core-limit", "50", "--", "true"], 2, "--core-limit is for a share of one GPU and does"),
         (["--pause", "gpu", "--", "true"], 2, "invalid choice: 'gpu'"),
         (["--pause", "cuda", "--", "true"], 1, "--pause cuda: the CUDA driver's checkpoint API is not available"),
         ([], 2, "give the program to run after --"),
@@ -340,6 +342,36 @@ def test_no_daemon_is_a_clear_error_unless_on_missing_run(tmp_path: Path) -> Non
     )
     assert done.returncode == 4 and "nothing arbitrates it" in done.stderr
     assert "end" in out.read_text()
+
+
+def test_a_trace_file_the_run_cannot_write_is_a_usage_error_before_the_program_runs(tmp_path: Path) -> None:
+    """Not a traceback once the run has started: exit 2 naming --trace, and the program never ran (here it
+    would have: gpud is away and --on-missing run lets it)."""
+    ran = tmp_path / "ran"
+    (tmp_path / "plain").write_text("")
+    program = [sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+
+    def run(trace: Path) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "gpud.tools.gpuctl", "run", "--socket", str(tmp_path / "none.sock")]
+        argv += ["--on-missing", "run", "--pause", "signal", "--trace", str(trace), "--", *program]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    for trace, why in [
+        (tmp_path / "no" / "dir" / "f", f"cannot create {tmp_path / 'no' / 'dir' / 'f'}: no directory"),
+        (tmp_path, f"{tmp_path} is a directory: give a file to append to"),
+        (
+            tmp_path / "plain" / "f",
+            f"cannot create {tmp_path / 'plain' / 'f'}: {tmp_path / 'plain'} is not a directory",
+        ),
+    ]:
+        done = run(trace)
+        assert done.returncode == 2, done.stderr
+        usage, error = done.stderr.splitlines()
+        assert usage.startswith("usage: gpuctl run") and error.startswith(f"gpuctl run: error: argument --trace: {why}")
+        assert not ran.exists()
+    done = run(tmp_path / "trace.jsonl")  # the program does run where the file can be written
+    assert done.returncode == 0, done.stderr
+    assert ran.exists() and (tmp_path / "trace.jsonl").read_text()
 
 
 # --- allocations ------------------------------------------------------------------------------------
@@ -436,8 +468,9 @@ def test_a_task_host_with_only_the_client_can_run_programs(daemon_factory: Calla
         timeout=60,
     )
     assert done.returncode == 5, done.stderr
-    # auto: no binding, and it says so (with gpud's cgroup where the daemon has one, else SIGSTOP)
-    assert "pausing" in done.stderr and "the CUDA checkpoint API is not available" in done.stderr
+    # auto says what it took (gpud's cgroup where the daemon has one, else SIGSTOP); on simulated GPUs
+    # it has no CUDA to speak of, so no word of the missing binding
+    assert "pausing" in done.stderr and "CUDA" not in done.stderr
 
 
 def test_gpuctl_run_is_the_same_command(daemon_factory: Callable[..., DaemonProcess]) -> None:
@@ -451,26 +484,73 @@ def test_gpuctl_run_is_the_same_command(daemon_factory: Callable[..., DaemonProc
     assert usage.returncode == 2 and usage.stderr.startswith("usage: gpuctl run")
 
 
-def test_the_programs_gpu_memory_is_reported_from_nvml(
-    daemon_factory: Callable[..., DaemonProcess], runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """gpud reads NVML's per-process memory (here tests/fakenvml) for the run's program's tree."""
-    import json
+FAKE_GPU = {"name": "Fake", "uuid": "GPU-fake", "total": 16 * 2**30, "procs": {}}
 
+
+def nvml_daemon(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> DaemonProcess:
+    """A daemon on one GPU of the NVML stand-in (tests/fakenvml), not on simulated GPUs: its state is
+    ``tmp_path / "nvml.json"``."""
     state = tmp_path / "nvml.json"
-    gpu = {"name": "Fake", "uuid": "GPU-fake", "total": 16 * 2**30, "procs": {}}
-    state.write_text(json.dumps({"gpus": [gpu]}))
+    state.write_text(json.dumps({"gpus": [FAKE_GPU]}))
     fakenvml = str(Path(__file__).resolve().parents[1] / "fakenvml")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fakenvml, os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_NVML_STATE", str(state))
     config = tmp_path / "gpud.toml"
     config.write_text("monitor_interval_s = 0.1\n")
-    d = daemon_factory("--config", str(config))  # on the NVML stand-in, not simulated GPUs
+    return daemon_factory("--config", str(config))
+
+
+def test_the_programs_gpu_memory_is_reported_from_nvml(
+    daemon_factory: Callable[..., DaemonProcess], runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpud reads NVML's per-process memory (here tests/fakenvml) for the run's program's tree."""
+    state, gpu = tmp_path / "nvml.json", dict(FAKE_GPU)
+    d = nvml_daemon(daemon_factory, tmp_path, monkeypatch)
     r = runs(d, "measured")
     pid = r.program_pid()
     gpu["procs"] = {str(pid): 3 * 2**30}
     state.write_text(json.dumps({"gpus": [gpu]}))
     eventually(lambda: (s := session_of(d, "measured")) is not None and s.mem_used_bytes == 3 * 2**30, "reported")
+
+
+# --- what the run says of the CUDA binding ---------------------------------------------------------------
+
+INSTALL_HINT = "pip install gpud-client[cuda]"
+no_binding = pytest.mark.skipif(importlib.util.find_spec("cuda") is not None, reason="the CUDA binding is installed")
+
+
+@no_binding
+def test_without_a_gpu_the_run_says_nothing_of_the_cuda_binding(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    done = _run("--", "true", socket=str(tmp_path / "none.sock"))
+    assert done.returncode == 1
+    assert done.stderr.startswith("gpud-run: cannot connect to gpud at ") and len(done.stderr.splitlines()) == 1
+    d = daemon_factory("--simulate", "1")
+    done = _run("--", "true", socket=d.socket)
+    assert done.returncode == 0, done.stderr
+    assert "pausing" in done.stderr and "CUDA" not in done.stderr and INSTALL_HINT not in done.stderr
+
+
+@no_binding
+def test_with_a_gpu_auto_says_the_cuda_binding_is_missing_and_how_to_install_it(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = nvml_daemon(daemon_factory, tmp_path, monkeypatch)
+    done = _run("--", "true", socket=d.socket)
+    assert done.returncode == 0, done.stderr
+    assert "the CUDA checkpoint API is not available: cuda-bindings is not installed" in done.stderr
+    assert INSTALL_HINT in done.stderr
+
+
+@no_binding
+def test_cuda_asked_for_without_the_binding_is_refused_with_the_hint_gpu_or_not(tmp_path: Path) -> None:
+    done = _run("--pause", "cuda", "--", "true", socket=str(tmp_path / "none.sock"))
+    assert done.returncode == 1
+    assert done.stderr.startswith("gpud-run: --pause cuda: the CUDA driver's checkpoint API is not available: ")
+    assert done.stderr.endswith(f": {INSTALL_HINT}\n") and len(done.stderr.splitlines()) == 1
 
 
 def test_a_run_never_mistakes_the_keepers_answer_to_go_for_the_programs_end(

@@ -27,6 +27,7 @@ import pytest
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import AsyncClient, Client
 from gpud_client import protocol as p
+from gpud_client.runinfo import run_info
 
 from .test_run import BURNER, Run, gone, stopped
 from .waiting import eventually, eventually_async
@@ -96,6 +97,14 @@ def allocation(c: Client, task: str) -> p.Allocated | None:
     return next((a for a in c.allocations().allocations if a.task_id == task), None)
 
 
+def run_state(c: Client, name: str) -> str | None:
+    """What ``gpuctl clients`` shows as the run's state (its RUN column)."""
+    for client in c.clients().clients:
+        if client.name == name and (info := run_info(client, (client.sessions or [None])[0])) is not None:
+            return info.state
+    return None
+
+
 # --- terminate ----------------------------------------------------------------------------------------
 
 
@@ -148,8 +157,10 @@ def test_checkpoint_signals_the_program_waits_for_the_gpu_and_starts_it_again_re
         c.allocate("urgent", 1, priority=URGENT, wait_ms=30_000)  # granted once it checkpointed and yielded
         saved = eventually(lambda: [x for x in lines(log) if x.startswith("checkpoint ")], "it checkpointed")
         eventually(lambda: "ck-job" in c.allocations().waiting, "the run waits for its allocation again")
+        eventually(lambda: run_state(c, "ck") == "waiting-to-restart", "gpuctl clients shows it waits to restart")
         assert r.proc.poll() is None
         c.release_allocation("urgent")
+        eventually(lambda: run_state(c, "ck") == "running", "and running once it started again")
     resumed = eventually(lambda: [x for x in lines(log) if x.startswith("resume ")], "it started again")
     assert resumed == [f"resume {saved[0].split()[1]}"]  # from its own checkpoint
     first, second = eventually(lambda: s if len(s := starts(log)) == 2 else None, "two starts")
@@ -183,11 +194,14 @@ def test_suspend_pauses_the_program_gives_the_gpu_and_resumes_it_with_its_progre
         assert stopped(pid)
         held = allocation(c, "sus-job")
         assert held is not None and held.state == p.AllocState.SUSPENDED
+        eventually(lambda: run_state(c, "sus") == "suspended", "gpuctl clients shows the run suspended")
         before = r.count()
         time.sleep(0.1)  # a window in which nothing may happen: it is suspended
         assert r.count() == before
         c.release_allocation("urgent")
     eventually(lambda: r.count() > before, "the same program goes on once its GPU is back")
+    with Client(d.socket, name="watcher") as c:
+        eventually(lambda: run_state(c, "sus") == "running", "gpuctl clients shows it running again")
     assert not stopped(pid) and [x.split()[:3] for x in r.lines() if x.startswith("start ")] == [
         ["start", str(pid), "0"]
     ]
@@ -269,8 +283,11 @@ def test_an_elastic_run_that_keeps_its_program_yields_at_once(
         (["--gpus", "1", "--on-preempt", "checkpoint", "--checkpoint-signal", "KILL"], "SIGKILL cannot be caught"),
         (["--gpus", "1", "--on-preempt", "checkpoint", "--checkpoint-signal", "NOPE"], "not a signal: 'NOPE'"),
         (["--gpus", "1", "--on-resize", "keep"], "--on-resize does nothing without an elastic allocation"),
-        (["--on-preempt", "suspend"], "--on-preempt belong to an allocation"),
-        (["--gpus", "1..2", "--core-limit", "50"], "--core-limit do nothing with whole GPUs (--gpus 1..2)"),
+        (["--on-preempt", "suspend"], "--on-preempt belongs to an allocation"),
+        (
+            ["--gpus", "1..2", "--core-limit", "50"],
+            "--core-limit is for a share of one GPU and does nothing with whole GPUs (--gpus 1..2)",
+        ),
         (["--gpus", "2..1"], "an elastic range needs MAX > MIN"),
         (["--gpus", "1", "--on-preempt", "pause"], "invalid choice: 'pause'"),
     ],

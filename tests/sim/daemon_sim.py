@@ -163,6 +163,7 @@ import trio
 
 from gpud.capabilities import allocations as allocations_module
 from gpud.capabilities.allocations import STORE_RETRY_US
+from gpud.core import shields
 from gpud.core.errors import Refused
 from gpud.core.leases import LeaseTerms, refusal_status, resolve_terms
 from gpud.core.ledger import UNIT, Insufficient, recovery_told
@@ -1836,7 +1837,7 @@ class World:
 
     def noticed(self, a: Acked, n: NoticeM, msg: p.Preempt, what: str) -> None:
         """Notice ``n`` (as ``msg`` says it) given to ``a``: judged by the rules, and what it changes."""
-        why = self.notice_wrong(a, n, msg)
+        why = self.notice_wrong(a, n, msg) or self.notice_unsaid(a, n)
         if why:
             self.fail(
                 f"{what} for {a.task_id} (priority {a.priority}, gpus {a.gpus}, "
@@ -1987,6 +1988,17 @@ class World:
         if any(a.notice is not None for a in self.acked.values()):
             self.stats["daemon crashes during a preemption"] += 1
         self.do_crash_daemon()
+
+    def notice_unsaid(self, a: Acked, n: NoticeM) -> str:
+        """A waiter's notice to an allocation that ALLOCS called not preemptible when it was issued:
+        what gpud says must be what it does ("" if nothing). Who can be told may have changed since."""
+        la = self.daemon.allocations.ledger.get(a.task_id)
+        if n.reason == p.PreemptReason.DRAIN or n.by == "idle" or la is None:
+            return ""
+        shield = self.daemon.allocations.ledger.shield(la, n.issued)
+        if shield is None or shield == shields.UNREACHABLE or shield.why == shields.RESTING:
+            return ""  # (the model judges its rest itself: a notice withdrawn meanwhile starts one)
+        return f"gpud said it was not preemptible then: {shield.text(n.issued)}"
 
     def notice_wrong(self, a: Acked, n: NoticeM, msg: p.Preempt) -> str:
         """What is wrong with notice ``n`` to ``a`` ("" if nothing): the rules of taking back."""
@@ -2468,7 +2480,14 @@ class World:
             self.expect(self.injected > pend.info["injected"], c, pend, msg, "store_failed without a failed write")
             pend.info["store_failed"] = True
         else:
-            self.expect(isinstance(msg, p.Ok), c, pend, msg, "an admin drains (or puts back) a GPU")
+            was = pend.info["gpu"] in self.draining
+            self.expect(
+                isinstance(msg, p.Drained) and (msg.draining, msg.was_draining) == (m.on, was),
+                c,
+                pend,
+                msg,
+                f"an admin drains (or puts back) GPU {pend.info['gpu']}, which {'drained' if was else 'did not'} before",
+            )
             (self.draining.add if m.on else self.draining.discard)(pend.info["gpu"])
             self.stats["GPUs drained" if m.on else "GPUs put back"] += 1
 

@@ -53,6 +53,7 @@ Answer = (
     | p.LeasesReply
     | p.PoliciesReply
     | p.Ok
+    | p.Drained
     | p.StatusReply
     | p.ClientsReply
     | p.Contained
@@ -243,6 +244,7 @@ class ClientCore(SliceRules):
                 | p.LeasesReply()
                 | p.PoliciesReply()
                 | p.Ok()
+                | p.Drained()
                 | p.StatusReply()
                 | p.ClientsReply()
                 | p.Contained()
@@ -359,11 +361,14 @@ class ClientCore(SliceRules):
         return [*self._lose(s, f"gpud revoked it ({msg.reason})"), WAKE]
 
     def _lose(self, s: SessionState, why: str) -> list[Action]:
-        """A warning only when work ran under it: a lock kept between slices goes without harm."""
+        """A warning only when work ran under it and no ``on_lost`` hook is there to say what its
+        owner made of it (a run pauses its program at once: "ran unarbitrated" would be untrue); a
+        lock kept between slices goes without harm."""
         err = LockLost(s.id, s.gpu, why, in_use=s.in_slice)
         if s.in_slice:
             s.lost = err
-        return [Log(Level.WARNING if s.in_slice else Level.INFO, str(err)), CallOnLost(s, err)]
+        warn = s.in_slice and s.on_lost is None
+        return [Log(Level.WARNING if warn else Level.INFO, str(err)), CallOnLost(s, err)]
 
 
 def describe_push(msg: AllocationPush) -> str:

@@ -51,6 +51,7 @@ from gpud_client.core.run_actions import (
     Request,
     Resume,
     RunAction,
+    RunShown,
     RunState,
     Say,
     Start,
@@ -76,6 +77,7 @@ __all__ = [
     "Resume",
     "RunAction",
     "RunCore",
+    "RunShown",
     "RunState",
     "Say",
     "Start",
@@ -117,6 +119,24 @@ class RunCore(RecoveryRules):
         self.escapes = 0
         self._init_recovery(recovery, on_resize, checkpoint_signal)
 
+    def shown(self) -> RunShown:
+        """What the run is doing, for ``gpuctl clients`` and ``top``: where a preemption has it, else its
+        program's state (not whether it holds a session: a suspended run holds none)."""
+        if self.state == "ended":
+            return "ended"
+        match self.phase:
+            case "ending" if self.after == "checkpoint":
+                return "checkpointing"
+            case "ending" if self.after == "restart":
+                return "restarting"
+            case "ending":
+                return "ending"
+            case "waiting":
+                return "waiting-to-restart"
+            case "suspending" | "suspended":
+                return self.phase
+        return self.state
+
     # --- what happened -----------------------------------------------------------
 
     def begin(self, now: float) -> list[RunAction]:
@@ -151,18 +171,21 @@ class RunCore(RecoveryRules):
             return [Release()]  # it is never paused while it ends, and needs no further turn
         return self._give_back("the daemon asked for the lock (DROP_LOCK)")
 
-    def lost(self, now: float) -> list[RunAction]:
-        """The lock went without our LOCK_RELEASED (revoked, or gpud gone): pause, end the session's
-        open slice (``Release``), ask again."""
+    def lost(self, now: float, why: str = "") -> list[RunAction]:
+        """The lock went without our LOCK_RELEASED (revoked, or gpud gone: ``why``): pause, end the
+        session's open slice (``Release``), ask again; and say so as it is (a program paused at once
+        did not run on unarbitrated)."""
         if not self.holding:
             return []
         if self.phase == "ending":
             self.holding = False
             return [Release()]
+        lost = why or "the GPU lock was lost"
         if self.state != "running":
             self.holding = False
-            return [Release(), Request()]
-        return self._give_back("the lock was lost")
+            return [Say(f"the program stays paused: {lost}; it waits for its turn"), Release(), Request()]
+        pause, *rest = self._give_back("the lock was lost")
+        return [pause, Say(f"the program was paused at once: {lost}; it waits for its turn"), *rest]
 
     def resume_refused(self) -> list[RunAction]:
         """The backend could not resume yet (no room on the GPU for the parked memory): the program

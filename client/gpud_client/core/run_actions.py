@@ -12,6 +12,23 @@ from typing import Literal
 from gpud_client import protocol as p
 
 RunState = Literal["starting", "running", "paused", "parked", "ended"]
+# What a run is doing, as gpud shows it (``RunCore.shown``; the ``run.state`` label): its program's
+# state, or where a preemption has it: told to save and end (checkpointing), ended to start again on
+# other devices (restarting), waiting for its allocation again to restart (waiting-to-restart), being
+# paused to give its devices back (suspending), paused while its allocation waits (suspended).
+RunShown = Literal[
+    "starting",
+    "running",
+    "paused",
+    "parked",
+    "ending",
+    "checkpointing",
+    "restarting",
+    "waiting-to-restart",
+    "suspending",
+    "suspended",
+    "ended",
+]
 
 CONTROL_FAILED = 1  # the run's exit status when it ended the program itself
 PREEMPTED = 1  # the run's exit status when gpud's preemption ended the task (fail, a revocation)

@@ -21,7 +21,7 @@ from gpud_client.errors import DaemonUnavailable, GpudError
 from gpud_client.proctl.base import Backend
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.signals import SignalBackend
-from gpud_client.run.allocation import Listener, allocate, connect, gpu_free, tree_memory
+from gpud_client.run.allocation import Listener, allocate, connect, gpu_free, library_warnings_said, tree_memory
 from gpud_client.run.contain import NoCgroup, contain
 from gpud_client.run.options import CommandError, RunOptions, check_command, parse
 from gpud_client.run.supervisor import Supervisor
@@ -73,12 +73,22 @@ def _contain(
         raise _Fail(str(exc)) from None
     if backend is None or opts.pause not in ("auto", "cgroup"):
         return backend
-    cuda = f"; the CUDA checkpoint API is not available: {why_not_cuda}" if why_not_cuda else ""
+    said = why_not_cuda and _has_gpu(client)
+    cuda = f"; the CUDA checkpoint API is not available: {why_not_cuda}" if said else ""
     if sup.containment.in_cgroup:
         sup.say(f"pausing by freezing the program's cgroup in gpud ({backend.name}): SIGCONT cannot wake it{cuda}")
     elif backend.name == "signal":
         sup.say(f"pausing with SIGSTOP/SIGCONT (signal){cuda}; gpud has no cgroup for it: {sup.containment.why}")
     return backend
+
+
+def _has_gpu(client: Client) -> bool:
+    """Whether gpud serves a GPU of this machine rather than simulated ones: only there is it worth saying
+    why ``auto`` did not take the CUDA checkpoint API (a missing binding: how to install it)."""
+    try:
+        return any(not g.simulated for g in client.status().gpus)
+    except GpudError:  # unknown: say it
+        return True
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
@@ -91,7 +101,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "gpud-run") -> int:
         print(f"{exc.usage}{exc.prog}: error: {exc.message}", file=sys.stderr)
         return 2
     try:
-        return run_program(opts, prog=prog)
+        with library_warnings_said(prog):
+            return run_program(opts, prog=prog)
     except KeyboardInterrupt:  # before the program started (waiting for room, say): the keeper ends it
         return 128 + 2
 
@@ -102,7 +113,12 @@ def run_program(
     """Run ``opts.command`` under gpud as ``gpud-run`` does, from Python (the Ray and Airflow
     integrations): returns its exit status. ``forward_signals`` needs the main thread; without it,
     the caller ends the run by ending the program."""
-    sup = Supervisor(opts, prog=prog, err=err, forward_signals=forward_signals)
+    try:
+        sup = Supervisor(opts, prog=prog, err=err, forward_signals=forward_signals)
+    except OSError as exc:  # opening --trace's file: parse checked it, but it changed since, or parse was skipped
+        why = (exc.strerror or str(exc)).lower()
+        print(f"{prog}: error: argument --trace: cannot append to {opts.trace}: {why}", file=err or sys.stderr)
+        return 2
     try:
         check_command(opts.command)
     except CommandError as exc:

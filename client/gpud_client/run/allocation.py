@@ -9,11 +9,14 @@ in a thread of its own, so the supervisor's loop keeps serving signals while it 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
@@ -49,6 +52,24 @@ def connect(opts: RunOptions, labels: dict[str, str], say: Callable[[str], None]
             raise
         say(f"{exc}; running the program without gpud (--on-missing run): nothing arbitrates it")
         return None
+
+
+@contextmanager
+def library_warnings_said(prog: str, err: IO[str] | None = None) -> Iterator[None]:
+    """The client library's warnings (a lost connection, a refused re-attach) on the run's stderr as
+    the run's own lines, ``prog: ...``, while the command runs: a command's output names who speaks.
+    For the command line only: a host (Ray, Airflow) configures its own logging."""
+    handler = logging.StreamHandler(err or sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("gpud_client")
+    library.addHandler(handler)
+    propagate, library.propagate = library.propagate, False
+    try:
+        yield
+    finally:
+        library.removeHandler(handler)
+        library.propagate = propagate
 
 
 def allocate(client: Client, opts: RunOptions, task_id: str, wait_ms: int) -> p.Allocated:

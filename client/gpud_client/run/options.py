@@ -5,8 +5,9 @@ Two ways to give the program a GPU: a place on one GPU like a session (``--gpu``
 allocation as ``gpuctl alloc`` makes it (``--gpus``, ``--cpus``, ``--task``,
 ``--tenant``, ``--wait``), owned by the run, with what the run does when gpud takes it
 back (``--on-preempt``, ``--checkpoint-signal``, ``--on-resize``). Options that belong to
-the other way, or that would do nothing, are refused with the reason; so is a command
-that cannot be found (exit 127) or executed (126).
+the other way, or that would do nothing, are refused with the reason, and so is a ``--trace``
+file the run could not append to (exit 2, before the program starts); so is a command that
+cannot be found (exit 127) or executed (126).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -192,6 +194,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     how.add_argument(
         "--trace",
+        type=trace_file,
         metavar="FILE",
         help="append one JSON line per event (DROP_LOCK, pause, release, grant, resume, park) with its time",
     )
@@ -231,14 +234,16 @@ def parse(argv: Sequence[str], prog: str = "gpud-run") -> RunOptions:
         if elastic or args.gpus >= 1:
             useless = [flag for key, flag in _SHARED_GPU_ONLY.items() if key in given]
             if useless:
+                are, do = ("is", "does") if len(useless) == 1 else ("are", "do")
                 raise refuse(
-                    f"{', '.join(useless)} do nothing with whole GPUs (--gpus {_shown(args.gpus)}): "
-                    "the program has them to itself and is never paused"
+                    f"{_listed(useless)} {are} for a share of one GPU and {do} nothing with whole GPUs "
+                    f"(--gpus {_shown(args.gpus)}): the program has them to itself and is never paused"
                 )
     else:
         alloc_only = [flag for key, flag in _ALLOCATION_ONLY.items() if key in given]
         if alloc_only:
-            raise refuse(f"{', '.join(alloc_only)} belong to an allocation: add --gpus N or a fraction such as 0.5")
+            belong = "belongs" if len(alloc_only) == 1 else "belong"
+            raise refuse(f"{_listed(alloc_only)} {belong} to an allocation: add --gpus N or a fraction such as 0.5")
         if isinstance(args.priority, str):
             raise refuse(f"argument --priority: a class ({args.priority}) is for allocations (--gpus); give a number")
     return RunOptions(
@@ -290,6 +295,43 @@ def escapes_arg(text: str) -> int:
     if not text.isdigit() or int(text) > 2**31:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
     return int(text)
+
+
+def trace_file(text: str) -> str:
+    """--trace FILE: a file the run can append to, checked before anything starts, so that a typo is bad
+    usage rather than a traceback. The run makes the file when it starts, not here."""
+    why = _unwritable(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def _unwritable(path: str) -> str:
+    """Why the run could not append to ``path`` (empty: it can), as far as this process can tell."""
+    if not path:
+        return "give a file to append to"
+    if os.path.isdir(path):
+        return f"{path} is a directory: give a file to append to"
+    if os.path.exists(path):
+        return "" if os.access(path, os.W_OK) else f"cannot write {path}: permission denied"
+    parent = os.path.dirname(path) or "."
+    try:
+        mode = os.stat(parent).st_mode
+    except FileNotFoundError:
+        return f"cannot create {path}: no directory {parent}"
+    except NotADirectoryError:  # a file as a directory on the way
+        return f"cannot create {path}: {parent} is not a directory"
+    except OSError as exc:  # a directory on the way that this user cannot search
+        return f"cannot create {path}: {(exc.strerror or 'cannot look').lower()} ({parent})"
+    if not stat.S_ISDIR(mode):
+        return f"cannot create {path}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: permission denied in {parent}"
+    return ""
+
+
+def _listed(flags: list[str]) -> str:
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
 
 
 def _shown(gpus: float | at.GpuRange) -> str:

@@ -55,6 +55,7 @@ from gpud_client.run.allocation import PREEMPT_ENV, allocate_again, free, give_b
 from gpud_client.run.contain import Containment
 from gpud_client.run.options import RunOptions
 from gpud_client.run.trace import Trace
+from gpud_client.runinfo import STATE
 from gpud_client.units import printable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -178,6 +179,7 @@ class Supervisor:
             status = self._carry_out(pending)
             if status is not None:
                 return status
+            self._show()
             now = time.monotonic()
             try:
                 ev = self.events.get(timeout=max(0.0, next_tick - now))
@@ -197,7 +199,7 @@ class Supervisor:
             case "drop":
                 return core.dropped(now)
             case "lost":
-                return core.lost(now)
+                return core.lost(now, ev.value.why)
             case "park":
                 return core.park_asked()
             case "signal":
@@ -221,6 +223,12 @@ class Supervisor:
             case "reallocation_failed":
                 return core.reallocation_failed(ev.value)
         raise AssertionError(ev.kind)
+
+    def _show(self) -> None:
+        """gpud shows what the run is doing (its ``run.state`` label) from the run's own word."""
+        shown = self.core.shown()
+        if self.client is not None and self.client.labels.get(STATE) != shown:
+            self.client.set_labels({**self.client.labels, STATE: shown})
 
     def _activity(self) -> float | None:
         if self.core.idle_release is None or self.tree is None:
