@@ -8,7 +8,8 @@ while that loop runs. User hooks may be plain callables or coroutine functions;
 a push's hooks run in a task of their own (never in the reader), a slice's own
 end awaits them. Allocation listeners are called in the reader task, in the order
 the pushes came; one that returns an awaitable has it run as a task of its own.
-The idle sweep is one timer handle on the loop.
+The idle sweep is one timer handle on the loop. What does not differ from the
+sync driver is ``_base``'s.
 
 This module must never block the loop (no blocking socket, no sleep, no
 thread), let a hook's exception reach the reader task, or leave a lock
@@ -23,35 +24,26 @@ import inspect
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Self
 
 import msgspec
 
 from gpud_client import protocol as p
-from gpud_client._base import ClientBase
+from gpud_client._base import AllocationListener, ClientBase, hook_failed, reader_failure, waiting
 from gpud_client.connection import Inbox, unreachable
-from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
-from gpud_client.core.actions import (
-    Action,
-    AllocationPush,
-    ApplyMemoryLimit,
-    ArmIdle,
-    CallAllocationListeners,
-    CallOnDrop,
-    CallOnLost,
-    CallOnPark,
-    GiveBack,
-    Hook,
-    Log,
-    Resolve,
-    Send,
-    Wake,
-)
-from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
-from gpud_client.frameworks import cap_memory, read_memory
+from gpud_client.core import HOLD, SessionState, reconnect_delay
+from gpud_client.core.actions import CallAllocationListeners, CallOnDrop, CallOnLost, CallOnPark, GiveBack, Hook, Send
+from gpud_client.errors import DaemonUnavailable, GpudError, LockLost, ProtocolError
+from gpud_client.frameworks import read_memory
 
 log = logging.getLogger("gpud_client")
+# The hooks a session of this client takes: plain callables or coroutine functions (see above).
+DropHook = Callable[[p.DropReason], Awaitable[None] | None]
+SynchronizeHook = Callable[[], Awaitable[None] | None]
+LostHook = Callable[[LockLost], Awaitable[None] | None]
+ParkHook = Callable[[], Any]
 CONNECT_TIMEOUT_S = 5.0
 READ_BYTES = 65536
 
@@ -115,6 +107,22 @@ class Wire:
         self._writer.close()
 
 
+class AsyncSessionBase(SessionState):
+    """What an ``AsyncSession`` gets from its driver: its slices."""
+
+    client: AsyncDriver
+
+    @asynccontextmanager
+    async def slice(self) -> AsyncIterator[Self]:
+        """One unit of GPU work under the lock: ``async with session.slice(): ...``."""
+        arbitrated = await self.client._enter_slice(self)
+        try:
+            yield self
+        finally:
+            if arbitrated:
+                await self.client._exit_slice(self)
+
+
 class AsyncDriver(ClientBase):
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)  # ClientBase's keyword options
@@ -123,7 +131,7 @@ class AsyncDriver(ClientBase):
         self._wire: Wire | None = None
         self._reader: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._listeners: list[Callable[[AllocationPush], Any]] = []
+        self._listeners: list[AllocationListener] = []
 
     async def _start(self) -> None:
         await self._open()
@@ -171,17 +179,14 @@ class AsyncDriver(ClientBase):
         if self._core.begin_slice(s):
             return True  # the lock is kept between slices: not even a yield to the loop
         try:
-            while True:
-                step, actions = self._core.lock_step(s, self._now())
-                self._carry_out(actions)
-                if step == HOLD:
-                    return True
-                if step == UNARBITRATED:
-                    return False
+            step = self._look(s, self._now())
+            while waiting(step):
                 await self._wait_change(step)
+                step = self._look(s, self._now())
         except BaseException:
             self._carry_out(self._core.cancel_entry(s))
             raise
+        return step == HOLD
 
     async def _exit_slice(self, s: SessionState) -> None:
         used = None if s.memory_probe is None else read_memory(s.memory_probe)
@@ -194,7 +199,7 @@ class AsyncDriver(ClientBase):
 
     async def _detach(self, s: SessionState) -> None:
         sid = self._core.detach(s)
-        self._notify()
+        self._wake()
         if sid:
             try:
                 det = p.Detach(id=0, session=sid)
@@ -218,30 +223,15 @@ class AsyncDriver(ClientBase):
             except TimeoutError:
                 raise DaemonUnavailable(f"gpud did not read MEM_UPDATE within {self.request_timeout} s") from None
 
-    # --- carrying out the core's actions --------------------------------------
+    # --- carrying out the core's actions (``ClientBase._carry_out``) -------------------------
 
-    def _carry_out(self, actions: list[Action]) -> list[Hook]:
-        """Sends, wake-ups and logs now; the hooks are returned, to be run by the caller."""
-        hooks: list[Hook] = []
-        for a in actions:
-            match a:
-                case Send(data=data):
-                    if self._wire is not None:
-                        self._wire.write(data)
-                case Resolve(waiter=done):
-                    if not done.done():
-                        done.set_result(None)
-                case Wake():
-                    self._notify()
-                case ArmIdle(at=at):
-                    self._arm_idle(at)
-                case ApplyMemoryLimit(session=s, limit=limit):
-                    (s.memory_cap or cap_memory)(limit)
-                case Log(level=level, text=text):
-                    log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark() | CallAllocationListeners():
-                    hooks.append(a)
-        return hooks
+    def _send(self, data: bytes) -> None:
+        if self._wire is not None:
+            self._wire.write(data)
+
+    def _resolve(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
 
     async def _run_hooks(self, hooks: list[Hook]) -> None:
         """Run user hooks (awaiting coroutine ones), then tell the core."""
@@ -262,29 +252,18 @@ class AsyncDriver(ClientBase):
                 case CallAllocationListeners(push=push):
                     self._tell_listeners(push)
 
-    def _dispatch(self, hooks: list[Hook]) -> None:
-        """In the reader: allocation pushes go to the listeners now, in order; the sessions' hooks run in
-        a task of their own."""
-        rest: list[Hook] = []
-        for h in hooks:
-            if isinstance(h, CallAllocationListeners):
-                self._tell_listeners(h.push)
-            else:
-                rest.append(h)
-        if rest:
-            self._spawn_hooks(rest)
+    def _listened(self, result: object, listener: AllocationListener) -> None:
+        if inspect.isawaitable(result):  # a coroutine listener: run to its end in a task of its own
+            task = asyncio.ensure_future(_awaited(result, listener))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    def _tell_listeners(self, push: AllocationPush) -> None:
-        for listener in list(self._listeners):
-            try:
-                result = listener(push)
-            except Exception:
-                log.exception("gpud client allocation listener %s failed", getattr(listener, "__qualname__", listener))
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(_awaited(result, listener))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+    def _add_listener(self, listener: AllocationListener) -> None:
+        self._listeners.append(listener)
+
+    def _remove_listener(self, listener: AllocationListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def _spawn_hooks(self, hooks: list[Hook]) -> None:
         task = asyncio.ensure_future(self._run_hooks(hooks))
@@ -294,7 +273,7 @@ class AsyncDriver(ClientBase):
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _notify(self) -> None:
+    def _wake(self) -> None:
         """Wake every waiter; each re-checks its condition."""
         self._changed.set()
         self._changed = asyncio.Event()
@@ -354,11 +333,8 @@ class AsyncDriver(ClientBase):
                         hooks = self._carry_out(self._core.receive(msg, self._now()))
                         if hooks:
                             self._dispatch(hooks)
-                except GpudError as exc:
-                    self._lost(wire, str(exc))
-                except Exception as exc:  # a bug here must not leave the client deaf: start afresh
-                    log.exception("gpud client reader failed")
-                    self._lost(wire, f"client reader failed: {exc!r}")
+                except Exception as exc:  # its end, a refusal, or a bug in the reader: start afresh
+                    self._lost(wire, reader_failure(exc))
             if not await self._reconnect():
                 return
 
@@ -393,7 +369,7 @@ async def _call(hook: Callable[..., Awaitable[None] | None] | None, *args: Any) 
         if result is not None and inspect.isawaitable(result):
             await result
     except Exception:
-        log.exception("gpud client hook %s failed", getattr(hook, "__qualname__", hook))
+        hook_failed("hook", hook)
 
 
 async def _awaited(result: Awaitable[Any], listener: object) -> None:
@@ -401,4 +377,4 @@ async def _awaited(result: Awaitable[Any], listener: object) -> None:
     try:
         await result
     except Exception:
-        log.exception("gpud client allocation listener %s failed", getattr(listener, "__qualname__", listener))
+        hook_failed("allocation listener", listener)

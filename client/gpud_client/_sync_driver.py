@@ -10,6 +10,7 @@ under the lock), so each sees an allocation's pushes in the order they came; a
 listener must be short (hand the push on, e.g. to a queue), and must not wait
 for an answer of this client, which only the reader could read. A write that fails shuts the socket; the reader then sees the end and
 tells the core. Nothing here decides anything: ``gpud_client.core`` does.
+What does not differ from the asyncio driver is ``_base``'s.
 """
 
 from __future__ import annotations
@@ -19,34 +20,56 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
 from gpud_client import protocol as p
-from gpud_client._base import ClientBase
+from gpud_client._base import AllocationListener, ClientBase, hook_failed, reader_failure, waiting
 from gpud_client.connection import Connection
-from gpud_client.core import HOLD, UNARBITRATED, SessionState, reconnect_delay
-from gpud_client.core.actions import (
-    Action,
-    AllocationPush,
-    ApplyMemoryLimit,
-    ArmIdle,
-    CallAllocationListeners,
-    CallOnDrop,
-    CallOnLost,
-    CallOnPark,
-    GiveBack,
-    Hook,
-    Log,
-    Resolve,
-    Send,
-    Wake,
-)
-from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
-from gpud_client.frameworks import cap_memory, read_memory
+from gpud_client.core import HOLD, SessionState, reconnect_delay
+from gpud_client.core.actions import CallAllocationListeners, CallOnDrop, CallOnLost, CallOnPark, GiveBack, Hook, Send
+from gpud_client.errors import DaemonUnavailable, GpudError, LockLost, ProtocolError
+from gpud_client.frameworks import read_memory
 
 log = logging.getLogger("gpud_client")
+# The hooks a session of this client takes: plain callables, run in a thread (see above).
+DropHook = Callable[[p.DropReason], None]
+SynchronizeHook = Callable[[], None]
+LostHook = Callable[[LockLost], None]
+ParkHook = Callable[[], None]
+S = TypeVar("S", bound="SyncSessionBase")
+
+
+class _Slice(Generic[S]):
+    """``Session.slice``'s context: a class, not a generator, because a slice's entry and exit run
+    between every two kernels while the lock is held, and every microsecond there is billed GPU time."""
+
+    __slots__ = ("session", "arbitrated")
+
+    def __init__(self, session: S) -> None:
+        self.session = session
+        self.arbitrated = False
+
+    def __enter__(self) -> S:
+        s = self.session
+        self.arbitrated = s.client._enter_slice(s)
+        return s
+
+    def __exit__(self, *exc: object) -> None:
+        if self.arbitrated:
+            s = self.session
+            s.client._exit_slice(s)
+
+
+class SyncSessionBase(SessionState):
+    """What a sync ``Session`` gets from its driver: its slices."""
+
+    client: SyncDriver
+
+    def slice(self) -> _Slice[Self]:
+        """One unit of GPU work under the lock: ``with session.slice(): ...``."""
+        return _Slice(self)
 
 
 class SyncDriver(ClientBase):
@@ -61,12 +84,15 @@ class SyncDriver(ClientBase):
         self._closing = threading.Event()
         self._conn: Connection | None = None
         # Replaced, never changed in place: the reader iterates over the tuple it read.
-        self._listeners: tuple[Callable[[AllocationPush], Any], ...] = ()
+        self._listeners: tuple[AllocationListener, ...] = ()
         self._open()
         self._reader = threading.Thread(target=self._read_loop, name="gpud-client-reader", daemon=True)
         self._reader.start()
         self._idle = threading.Thread(target=self._idle_loop, name="gpud-client-idle", daemon=True)
         self._idle.start()
+
+    def _start(self) -> None:
+        """Nothing: the constructor connected already (``Client(...)`` connects at once)."""
 
     def _request(self, start: Callable[[threading.Event], Send], what: str, wait: float) -> Any:
         done = threading.Event()
@@ -108,17 +134,14 @@ class SyncDriver(ClientBase):
             if self._core.begin_slice(s):
                 return True  # the lock is kept between slices: no round trip, no wait
             try:
-                while True:
-                    step, actions = self._core.lock_step(s, time.monotonic())
-                    self._carry_out(actions)
-                    if step == HOLD:
-                        return True
-                    if step == UNARBITRATED:
-                        return False
+                step = self._look(s, time.monotonic())
+                while waiting(step):
                     self._cond.wait(step)
+                    step = self._look(s, time.monotonic())
             except BaseException:
                 self._carry_out(self._core.cancel_entry(s))
                 raise
+            return step == HOLD
 
     def _exit_slice(self, s: SessionState) -> None:
         used = None if s.memory_probe is None else read_memory(s.memory_probe)
@@ -160,28 +183,19 @@ class SyncDriver(ClientBase):
         with self._lock:
             self._carry_out(self._core.report_memory(s, used_bytes))
 
-    # --- carrying out the core's actions --------------------------------------
+    # --- carrying out the core's actions (``ClientBase._carry_out``, under the lock) ----------
 
-    def _carry_out(self, actions: list[Action]) -> list[Hook]:
-        """Under the lock: sends, wake-ups and logs now; the hooks are returned, to be run outside it."""
-        hooks: list[Hook] = []
-        for a in actions:
-            match a:
-                case Send(data=data):
-                    self._write(data, self._conn)
-                case Resolve(waiter=done):
-                    done.set()
-                case Wake():
-                    self._cond.notify_all()
-                case ArmIdle():
-                    self._idle_cond.notify()
-                case ApplyMemoryLimit(session=s, limit=limit):
-                    (s.memory_cap or cap_memory)(limit)
-                case Log(level=level, text=text):
-                    log.log(level, text)
-                case CallOnDrop() | GiveBack() | CallOnLost() | CallOnPark() | CallAllocationListeners():
-                    hooks.append(a)
-        return hooks
+    def _send(self, data: bytes) -> None:
+        self._write(data, self._conn)
+
+    def _resolve(self, waiter: threading.Event) -> None:
+        waiter.set()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+
+    def _arm_idle(self, at: float) -> None:
+        self._idle_cond.notify()  # the idle thread reads when it is due from the core
 
     def _run_hooks(self, hooks: list[Hook]) -> None:
         """Run user hooks in this thread, without the lock, then tell the core."""
@@ -203,27 +217,17 @@ class SyncDriver(ClientBase):
                 case CallAllocationListeners(push=push):
                     self._tell_listeners(push)
 
-    def _dispatch(self, hooks: list[Hook]) -> None:
-        """On the reader: allocation pushes go to the listeners here, in order; the sessions' hooks run
-        in a thread of their own."""
-        rest: list[Hook] = []
-        for h in hooks:
-            if isinstance(h, CallAllocationListeners):
-                self._tell_listeners(h.push)
-            else:
-                rest.append(h)
-        if rest:
-            threading.Thread(target=self._run_hooks, args=(rest,), daemon=True).start()
+    def _spawn_hooks(self, hooks: list[Hook]) -> None:
+        threading.Thread(target=self._run_hooks, args=(hooks,), daemon=True).start()
 
-    def _tell_listeners(self, push: AllocationPush) -> None:
-        for listener in self._listeners:
-            _call(listener, push)
+    def _listened(self, result: object, listener: AllocationListener) -> None:
+        pass  # a plain call: nothing more to run
 
-    def _add_listener(self, listener: Callable[[AllocationPush], Any]) -> None:
+    def _add_listener(self, listener: AllocationListener) -> None:
         with self._lock:
             self._listeners = (*self._listeners, listener)
 
-    def _remove_listener(self, listener: Callable[[AllocationPush], Any]) -> None:
+    def _remove_listener(self, listener: AllocationListener) -> None:
         with self._lock:
             mine = list(self._listeners)
             if listener in mine:
@@ -271,11 +275,8 @@ class SyncDriver(ClientBase):
                             hooks = self._carry_out(self._core.receive(msg, time.monotonic()))
                         if hooks:
                             self._dispatch(hooks)
-                except GpudError as exc:
-                    self._lost(conn, str(exc))
-                except Exception as exc:  # a bug here must not leave the client deaf: start afresh
-                    log.exception("gpud client reader failed")
-                    self._lost(conn, f"client reader failed: {exc!r}")
+                except Exception as exc:  # its end, a refusal, or a bug in the reader: start afresh
+                    self._lost(conn, reader_failure(exc))
             if not self._reconnect():
                 return
 
@@ -287,7 +288,7 @@ class SyncDriver(ClientBase):
                 hooks = self._carry_out(self._core.connection_lost(why))
         conn.close()
         if hooks:
-            threading.Thread(target=self._run_hooks, args=(hooks,), daemon=True).start()
+            self._spawn_hooks(hooks)
 
     def _reconnect(self) -> bool:
         """Reconnect with jittered backoff; the core re-attaches the sessions. False: stop."""
@@ -322,4 +323,4 @@ def _call(hook: Callable[..., Any] | None, *args: Any) -> None:
     try:
         hook(*args)
     except Exception:
-        log.exception("gpud client hook %s failed", getattr(hook, "__qualname__", hook))
+        hook_failed("hook", hook)

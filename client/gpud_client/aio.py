@@ -1,4 +1,6 @@
+# unasync: asyncio
 """The asyncio client: its public surface. The machinery is ``_async_driver``; the rules ``core``.
+The sync client's surface, ``client.py``, is generated from this module (``client/tools/unasync.py``).
 
 The same shape and rules as the sync ``Client``, with ``await`` where that one blocks::
 
@@ -25,44 +27,49 @@ none waits when it arrives it is given back at once (no work ran under it). A
 lease acquire cancelled or timed out is released when its grant comes, or at
 once if the grant came just before.
 """
+# unasync: sync
+# """The synchronous client: its public surface. The machinery is ``_sync_driver``; the rules ``core``.
+#
+# ``with session.slice():`` wraps one unit of GPU work. It takes the GPU lock if
+# the session does not hold it, and at exit gives it back only if a DROP_LOCK is
+# pending; between slices the lock is kept, so a training loop pays no round trip
+# per step. A DROP_LOCK between slices is answered at once, and a lock unused for
+# ``idle_release`` seconds is given back early (nvshare's early release).
+#
+# When the daemon goes away the client reconnects (50 ms doubling to 2 s, each
+# wait jittered) and re-attaches every session; a session whose GPU is gone fails
+# alone. A slice started meanwhile waits up to ``unavailable_timeout`` seconds
+# and then raises ``DaemonUnavailable`` or, with ``proceed_unarbitrated=True``,
+# runs without the lock. A lock held when the connection died is lost:
+# ``on_lost`` is called at once and ``LockLost`` raised at the end of the running
+# slice (or by ``release()``). This surface is generated from the asyncio client's
+# (``aio.py``), so the two have the same.
+# """
+# unasync: end
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
 
+from gpud_client import _async_driver as driver
 from gpud_client import protocol as p
-from gpud_client._async_driver import AsyncDriver
-from gpud_client.core import SessionState
-from gpud_client.core.actions import AllocationPush
+from gpud_client._base import AllocationListener, MemoryProbe
 from gpud_client.core.messages import acquire_msg, acquire_timeout, allocate_msg, policy_msg, size
-from gpud_client.errors import LockLost
 from gpud_client.frameworks import default_memory_cap, default_memory_probe
 
-DropHook = Callable[[p.DropReason], Awaitable[None] | None]
-SyncHook = Callable[[], Awaitable[None] | None]
-LostHook = Callable[[LockLost], Awaitable[None] | None]
 
-
-class AsyncSession(SessionState):
+class AsyncSession(driver.AsyncSessionBase):
     """A process's place on one GPU. Create with ``await AsyncClient.session``."""
+
+    client: AsyncClient
 
     def __init__(self, client: AsyncClient, gpu: int | str, **fields: Any) -> None:
         super().__init__(gpu, **fields)
         self.client = client
-
-    @asynccontextmanager
-    async def slice(self) -> AsyncIterator[AsyncSession]:
-        """One unit of GPU work under the lock: ``async with session.slice(): ...``."""
-        arbitrated = await self.client._enter_slice(self)
-        try:
-            yield self
-        finally:
-            if arbitrated:
-                await self.client._exit_slice(self)
 
     async def acquire(self) -> None:
         """Take the lock and keep it until ``release``: an open-ended slice.
@@ -98,9 +105,15 @@ class AsyncSession(SessionState):
         await self.close()
 
 
-class AsyncClient(AsyncDriver):
+class AsyncClient(driver.AsyncDriver):
+    # unasync: asyncio
     """A connection to gpud shared by the sessions of one process. Get one with ``await
     AsyncClient.connect(...)``; constructed directly it is unconnected and refuses every call."""
+
+    # unasync: sync
+    # """A connection to gpud shared by the sessions of one process. Connects (and says HELLO) at once;
+    # the first connect fails loudly (DaemonUnavailable)."""
+    # unasync: end
 
     def __init__(
         self,
@@ -156,16 +169,16 @@ class AsyncClient(AsyncDriver):
         *,
         priority: int = 0,
         idle_release: float | None = 1.0,
-        on_drop: DropHook | None = None,
-        synchronize: SyncHook | None = None,
-        on_lost: LostHook | None = None,
+        on_drop: driver.DropHook | None = None,
+        synchronize: driver.SynchronizeHook | None = None,
+        on_lost: driver.LostHook | None = None,
         core_limit: int = 100,
         mem_limit: int | str | None = None,
         mem_estimate: int | str | None = None,
-        memory_probe: Callable[[], int] | None = None,
+        memory_probe: MemoryProbe | None = None,
         framework_hooks: bool = True,
         task_id: str | None = None,
-        on_park: Callable[[], Any] | None = None,
+        on_park: driver.ParkHook | None = None,
     ) -> AsyncSession:
         """Attach to a GPU. ``core_limit``: percent of GPU time per window;
         ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
@@ -235,7 +248,10 @@ class AsyncClient(AsyncDriver):
 
     @asynccontextmanager
     async def lease(
-        self, gpu: int | str = "gpu:0", task_type: str = "OTHER", **fields: Any
+        self,
+        gpu: int | str = "gpu:0",
+        task_type: str = "OTHER",
+        **fields: Any,
     ) -> AsyncIterator[p.LeaseResult]:
         """``with client.lease("gpu:0", task_type="ASR") as r:`` -- r.status is ACQUIRED, SKIPPED or
         FALLBACK_CPU; an acquired lease is released on exit, exceptions included."""
@@ -352,17 +368,23 @@ class AsyncClient(AsyncDriver):
         or the GPU back in service."""
         await self.call(p.Drain(id=0, gpu=gpu, on=on))
 
-    async def add_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+    async def add_allocation_listener(self, listener: AllocationListener, /) -> None:
+        # unasync: asyncio
         """Call ``listener(push)`` with each PREEMPT, PREEMPT_WITHDRAWN, ALLOC_REVOKED and ALLOC_CHANGED
         this connection gets, for any task. It is called in the client's reader task, in the order the
         pushes came; a coroutine function's coroutine runs as a task of its own. One that raises is
         logged; the reader goes on."""
-        self._listeners.append(listener)
+        # unasync: sync
+        # """Call ``listener(push)`` with each PREEMPT, PREEMPT_WITHDRAWN, ALLOC_REVOKED and ALLOC_CHANGED
+        # this connection gets, for any task. It runs on the client's reader thread, in the order the
+        # pushes came: keep it short (put the push on a queue) and never wait there for an answer of this
+        # client. One that raises is logged; the reader goes on."""
+        # unasync: end
+        self._add_listener(listener)
 
-    async def remove_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+    async def remove_allocation_listener(self, listener: AllocationListener, /) -> None:
         """Stop calling ``listener``; nothing happens if it was not added."""
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        self._remove_listener(listener)
 
     async def release_allocation(self, task_id: str) -> None:
         await self.call(p.Free(id=0, task_id=task_id))

@@ -1,3 +1,5 @@
+# Generated from aio.py by client/tools/unasync.py: do not edit. Change aio.py, then run
+# `python client/tools/unasync.py` (`make check` fails while this file is not what it gives).
 """The synchronous client: its public surface. The machinery is ``_sync_driver``; the rules ``core``.
 
 ``with session.slice():`` wraps one unit of GPU work. It takes the GPU lock if
@@ -12,58 +14,33 @@ alone. A slice started meanwhile waits up to ``unavailable_timeout`` seconds
 and then raises ``DaemonUnavailable`` or, with ``proceed_unarbitrated=True``,
 runs without the lock. A lock held when the connection died is lost:
 ``on_lost`` is called at once and ``LockLost`` raised at the end of the running
-slice (or by ``release()``). The sync and asyncio clients have the same surface
-(a test compares them).
+slice (or by ``release()``). This surface is generated from the asyncio client's
+(``aio.py``), so the two have the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 
+from gpud_client import _sync_driver as driver
 from gpud_client import protocol as p
-from gpud_client._sync_driver import SyncDriver
-from gpud_client.core import SessionState
-from gpud_client.core.actions import AllocationPush
+from gpud_client._base import AllocationListener, MemoryProbe
 from gpud_client.core.messages import acquire_msg, acquire_timeout, allocate_msg, policy_msg, size
-from gpud_client.errors import LockLost
 from gpud_client.frameworks import default_memory_cap, default_memory_probe
 
 
-class _Slice:
-    """``Session.slice``'s context: a class, not a generator, because a slice's entry and exit run
-    between every two kernels while the lock is held, and every microsecond there is billed GPU time."""
-
-    __slots__ = ("session", "arbitrated")
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.arbitrated = False
-
-    def __enter__(self) -> Session:
-        s = self.session
-        self.arbitrated = s.client._enter_slice(s)
-        return s
-
-    def __exit__(self, *exc: object) -> None:
-        if self.arbitrated:
-            s = self.session
-            s.client._exit_slice(s)
-
-
-class Session(SessionState):
+class Session(driver.SyncSessionBase):
     """A process's place on one GPU. Create with ``Client.session``."""
+
+    client: Client
 
     def __init__(self, client: Client, gpu: int | str, **fields: Any) -> None:
         super().__init__(gpu, **fields)
         self.client = client
-
-    def slice(self) -> _Slice:
-        """One unit of GPU work under the lock: ``with session.slice(): ...``."""
-        return _Slice(self)
 
     def acquire(self) -> None:
         """Take the lock and keep it until ``release``: an open-ended slice.
@@ -99,7 +76,7 @@ class Session(SessionState):
         self.close()
 
 
-class Client(SyncDriver):
+class Client(driver.SyncDriver):
     """A connection to gpud shared by the sessions of one process. Connects (and says HELLO) at once;
     the first connect fails loudly (DaemonUnavailable)."""
 
@@ -136,8 +113,8 @@ class Client(SyncDriver):
         proceed_unarbitrated: bool = False,
         request_timeout: float = 10.0,
     ) -> Client:
-        """The same as ``Client(...)``, spelled as ``AsyncClient.connect``."""
-        return cls(
+        """Connect and say HELLO; the first connect fails loudly (DaemonUnavailable)."""
+        self = cls(
             socket,
             name=name,
             labels=labels,
@@ -146,6 +123,8 @@ class Client(SyncDriver):
             proceed_unarbitrated=proceed_unarbitrated,
             request_timeout=request_timeout,
         )
+        self._start()
+        return self
 
     # --- requests -------------------------------------------------------------
 
@@ -155,16 +134,16 @@ class Client(SyncDriver):
         *,
         priority: int = 0,
         idle_release: float | None = 1.0,
-        on_drop: Callable[[p.DropReason], None] | None = None,
-        synchronize: Callable[[], None] | None = None,
-        on_lost: Callable[[LockLost], None] | None = None,
+        on_drop: driver.DropHook | None = None,
+        synchronize: driver.SynchronizeHook | None = None,
+        on_lost: driver.LostHook | None = None,
         core_limit: int = 100,
         mem_limit: int | str | None = None,
         mem_estimate: int | str | None = None,
-        memory_probe: Callable[[], int] | None = None,
+        memory_probe: MemoryProbe | None = None,
         framework_hooks: bool = True,
         task_id: str | None = None,
-        on_park: Callable[[], None] | None = None,
+        on_park: driver.ParkHook | None = None,
     ) -> Session:
         """Attach to a GPU. ``core_limit``: percent of GPU time per window;
         ``mem_limit``/``mem_estimate``: bytes or sizes such as "8GiB".
@@ -233,7 +212,12 @@ class Client(SyncDriver):
         return reply.sessions
 
     @contextmanager
-    def lease(self, gpu: int | str = "gpu:0", task_type: str = "OTHER", **fields: Any) -> Iterator[p.LeaseResult]:
+    def lease(
+        self,
+        gpu: int | str = "gpu:0",
+        task_type: str = "OTHER",
+        **fields: Any,
+    ) -> Iterator[p.LeaseResult]:
         """``with client.lease("gpu:0", task_type="ASR") as r:`` -- r.status is ACQUIRED, SKIPPED or
         FALLBACK_CPU; an acquired lease is released on exit, exceptions included."""
         result = self.acquire(gpu, task_type, **fields)
@@ -349,14 +333,14 @@ class Client(SyncDriver):
         or the GPU back in service."""
         self.call(p.Drain(id=0, gpu=gpu, on=on))
 
-    def add_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+    def add_allocation_listener(self, listener: AllocationListener, /) -> None:
         """Call ``listener(push)`` with each PREEMPT, PREEMPT_WITHDRAWN, ALLOC_REVOKED and ALLOC_CHANGED
         this connection gets, for any task. It runs on the client's reader thread, in the order the
         pushes came: keep it short (put the push on a queue) and never wait there for an answer of this
         client. One that raises is logged; the reader goes on."""
         self._add_listener(listener)
 
-    def remove_allocation_listener(self, listener: Callable[[AllocationPush], Any], /) -> None:
+    def remove_allocation_listener(self, listener: AllocationListener, /) -> None:
         """Stop calling ``listener``; nothing happens if it was not added."""
         self._remove_listener(listener)
 
