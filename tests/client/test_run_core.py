@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import signal
+from collections.abc import Callable
+from typing import get_args
 
 import pytest
 
@@ -23,11 +26,14 @@ from gpud_client.core.run import (
     Resume,
     RunAction,
     RunCore,
+    RunShown,
     Say,
     Start,
     UseAllocation,
     Yield,
 )
+from gpud_client.core.run_events import Changed, Preempted, Revoked, Withdrawn, pushed
+from gpud_client.core.run_state import Ended, Ending, Normal, Suspended, Waiting
 
 TERM = int(signal.SIGTERM)
 
@@ -42,9 +48,9 @@ def running(**kw: object) -> RunCore:
 def test_the_program_starts_only_at_the_first_grant() -> None:
     core = RunCore()
     assert core.begin(0.0) == [Request()]
-    assert core.state == "starting"
+    assert core.state == Normal("starting")
     assert core.granted(1.0) == [Start()]
-    assert core.state == "running"
+    assert core.state == Normal("running")
 
 
 def test_a_whole_gpu_starts_at_once_and_is_never_paused() -> None:
@@ -57,10 +63,10 @@ def test_a_drop_pauses_releases_and_asks_again_then_a_grant_resumes() -> None:
     core = running()
     actions = core.dropped(1.0)
     assert [type(a) for a in actions] == [Pause, Release, Request]
-    assert core.state == "paused" and not core.holding
+    assert core.state == Normal("paused") and not core.run.holding
     assert core.dropped(1.1) == []  # a late second drop changes nothing
     assert core.granted(2.0) == [Resume()]
-    assert core.state == "running"
+    assert core.state == Normal("running")
 
 
 def test_a_lost_lock_pauses_and_ends_the_open_slice_before_asking_again() -> None:
@@ -102,7 +108,7 @@ def test_park_is_done_only_for_a_started_paused_program_with_a_backend_that_can(
     assert core.park_asked() == [Park()]
     assert core.park_asked() == []  # one park at a time
     assert core.park_done(True, "1 bytes") == [AnswerPark(True, "1 bytes")]
-    assert core.state == "parked"
+    assert core.state == Normal("parked")
     assert core.park_asked() == [AnswerPark(True)]  # already parked
     assert core.granted(2.0) == [Resume()]  # the driver restores before it resumes
 
@@ -119,19 +125,34 @@ def test_a_refused_resume_gives_the_turn_back_and_stays_parked() -> None:
     core.park_asked()
     core.park_done(True)
     core.granted(2.0)
-    assert core.resume_refused() == [Release(), Request()]
-    assert core.state == "parked" and core.parked and not core.holding
+    assert core.resume_refused("no room") == [
+        Say("could not resume the program yet: no room; giving the turn back"),
+        Release(),
+        Request(),
+    ]
+    assert core.state == Normal("parked") and not core.run.holding
+
+
+def test_a_refused_resume_of_a_whole_gpu_run_ends_its_program_rather_than_ask_for_a_lock() -> None:
+    """Whole GPUs hold no session: asking for the lock again crashed the run; the program is ended
+    (never left paused for good), as when process control fails."""
+    core = whole(recovery="suspend")
+    core.preempted(notice(p.Recovery.SUSPEND), 1.0)
+    assert core.changed(changed("resumed", alloc()), 2.0)[1:] == [Resume()]
+    actions = core.resume_refused("no room for the parked memory")
+    assert Release() not in actions and Request() not in actions
+    assert kinds(actions) == [EndProgram, Exit] and "no room for the parked memory" in actions[0].why
 
 
 def test_a_signal_to_a_paused_program_resumes_it_for_the_grace_then_pauses_it_again() -> None:
     core = running(signal_grace=2.0)
     core.dropped(1.0)
     assert core.signalled(TERM, 3.0) == [Resume(), Forward(TERM)]
-    assert core.state == "running" and not core.holding
+    assert core.state == Normal("running") and not core.run.holding
     assert core.next_tick(3.0, 10.0) == 5.0
     actions = core.tick(5.0, None)
     assert [type(a) for a in actions] == [Pause]
-    assert core.state == "paused"
+    assert core.state == Normal("paused")
 
 
 def test_a_grant_during_the_grace_keeps_the_program_running() -> None:
@@ -225,6 +246,11 @@ def fraction(**kw: object) -> RunCore:
     return core
 
 
+def ending(core: RunCore) -> Ending:
+    assert isinstance(core.state, Ending)
+    return core.state
+
+
 def kinds(actions: list[RunAction]) -> list[type]:
     return [type(a) for a in actions]
 
@@ -248,8 +274,7 @@ def test_terminate_sends_sigterm_at_once_and_sigkill_half_a_second_before_the_da
 def test_terminate_of_a_program_that_ends_in_time_exits_with_its_status_and_kills_nothing() -> None:
     core = whole()
     core.preempted(notice(grace=0.2), 0.0)
-    assert core.kill_at == 0.0  # never below zero: the grace less 0.5 s
-    core.kill_at = None
+    assert ending(core).kill_at == 0.0  # never below zero: the grace less 0.5 s
     assert core.exited(3) == [Exit(3)]
     assert core.tick(100.0, None) == []
 
@@ -261,7 +286,7 @@ def test_an_ending_program_paused_between_turns_is_resumed_to_act_and_never_paus
     assert actions[1:] == [Resume(), Forward(TERM)]
     assert core.granted(2.1) == []  # a grant asked for before: it runs to its end
     assert core.dropped(2.2) == [Release()]  # given back without a pause, and not asked for again
-    assert core.tick(2.3, None) == [] and core.state == "running"
+    assert core.tick(2.3, None) == [] and core.run.program == "running"
     assert core.exited(0) == [Exit(0)]
 
 
@@ -271,12 +296,12 @@ def test_checkpoint_signals_then_yields_waits_for_the_allocation_and_restarts_wi
     assert actions[1:] == [Forward(USR1)]
     actions = core.exited(0)
     assert actions[1:] == [Yield(), Allocate()] and "waiting for its allocation again" in said(actions)
-    assert core.phase == "waiting" and not core.started
+    assert core.state == Waiting() and not core.run.started
     assert core.revoked(revoked(gone=True), 2.0) == []  # the answer to its YIELD: nothing runs to kill
     assert core.tick(100.0, None) == []  # no kill deadline is left
     again = alloc(resume=True)
     assert core.reallocated(again, 5.0) == [UseAllocation(again, True), Start()]
-    assert core.phase == "normal" and core.state == "running" and not core.gone
+    assert core.state == Normal("running") and not core.gone
     core.preempted(notice(p.Recovery.CHECKPOINT), 6.0)
     assert said(core.exited(0)) == ""  # the waiting line is said once
 
@@ -292,7 +317,7 @@ def test_a_withdrawn_checkpoint_restarts_on_the_allocation_it_keeps_without_yiel
     core = whole(recovery="checkpoint", checkpoint_signal=USR1)
     core.preempted(notice(p.Recovery.CHECKPOINT), 0.0)
     assert core.withdrawn(1.0) == []
-    assert core.kill_at is None  # the devices stay the run's: no hurry
+    assert ending(core).kill_at is None  # the devices stay the run's: no hurry
     assert core.exited(0) == [UseAllocation(alloc(), True), Start()]
 
 
@@ -329,19 +354,19 @@ def test_suspend_pauses_then_yields_and_resumed_goes_on_where_it_was() -> None:
     core = whole(recovery="suspend")
     actions = core.preempted(notice(p.Recovery.SUSPEND), 1.0)
     assert kinds(actions) == [Say, Pause, Yield]
-    assert core.phase == "suspended" and core.state == "paused"
+    assert core.state == Suspended("paused")
     assert core.revoked(revoked(gone=False, state=p.AllocState.SUSPENDED), 2.0) == []  # its YIELD answered
     assert core.withdrawn(2.5) == []  # yielded: too late to undo, it waits for its devices
     assert core.tick(100.0, None) == []  # no deadline while suspended
     actions = core.changed(changed("resumed", alloc()), 200.0)
-    assert actions[1:] == [Resume()] and core.state == "running" and core.phase == "normal"
+    assert actions[1:] == [Resume()] and core.state == Normal("running")
 
 
 def test_suspend_parks_with_a_backend_that_can_and_yields_once_parked() -> None:
     core = whole(recovery="suspend", can_park=True)
     assert kinds(core.preempted(notice(p.Recovery.SUSPEND), 1.0)) == [Say, Pause, Park]
     assert core.park_done(True, "1 bytes") == [Yield()]  # no PARKED: gpud did not ask
-    assert core.state == "parked"
+    assert core.state == Suspended("parked")
     assert core.signalled(TERM, 2.0) == [Forward(TERM)]  # parked: it acts on it once resumed
     core = whole(recovery="suspend", can_park=True)
     core.preempted(notice(p.Recovery.SUSPEND), 1.0)
@@ -354,7 +379,7 @@ def test_a_suspend_withdrawn_before_it_yielded_resumes_the_program() -> None:
     core.preempted(notice(p.Recovery.SUSPEND), 1.0)  # parking
     assert core.withdrawn(1.5) == []  # the park in flight ends first
     assert core.park_done(True) == [Resume()]
-    assert core.phase == "normal" and core.state == "running"
+    assert core.state == Normal("running")
 
 
 def test_a_suspended_fraction_neither_holds_nor_asks_for_the_lock_until_resumed() -> None:
@@ -364,7 +389,7 @@ def test_a_suspended_fraction_neither_holds_nor_asks_for_the_lock_until_resumed(
     assert core.dropped(2.1) == [] and core.lost(2.2) == []
     assert core.tick(50.0, 1.0) == []
     assert core.changed(changed("resumed", alloc(share=0.5)), 60.0)[1:] == [Request()]
-    assert core.state == "paused"  # it goes on at its grant
+    assert core.state == Normal("paused")  # it goes on at its grant
     assert core.granted(61.0) == [Resume()]
 
 
@@ -374,7 +399,7 @@ def test_a_signal_to_a_suspended_run_resumes_the_program_for_the_grace_then_susp
     assert core.signalled(TERM, 5.0) == [Resume(), Forward(TERM)]
     assert core.next_tick(5.0, 10.0) == 7.0
     assert kinds(core.tick(7.0, None)) == [Pause]
-    assert core.phase == "suspended" and core.state == "paused"
+    assert core.state == Suspended("paused")
     assert core.exited(3) == [Exit(3)]  # it acted on it after all
 
 
@@ -428,7 +453,7 @@ def test_an_elastic_resize_with_keep_yields_at_once_and_leaves_the_program_alone
     assert core.preempted(notice(p.Recovery.SHRINK, whole=False, gpus=[2]), 1.0)[1:] == [Yield()]
     assert core.changed(changed("shrunk", alloc([0, 1])), 2.0) == []
     assert core.changed(changed("grown", alloc([0, 1, 3])), 3.0) == []
-    assert core.state == "running" and core.phase == "normal"
+    assert core.state == Normal("running")
 
 
 def test_a_grown_allocation_restarts_the_program_on_its_new_gpus_without_yield() -> None:
@@ -457,7 +482,7 @@ def test_a_whole_notice_during_a_restart_keeps_the_earlier_deadline_and_becomes_
     core.changed(changed("grown", alloc([0, 1, 2])), 1.0)  # restarting: killed at 3.0
     actions = core.preempted(notice(p.Recovery.TERMINATE, grace=10), 1.5)
     assert "the program is ending already" in said(actions) and Forward(TERM) not in actions
-    assert core.kill_at == 3.0
+    assert ending(core).kill_at == 3.0
     assert core.exited(3) == [Exit(3)]  # ended as terminate asks, not restarted
     core = whole(alloc([0, 1]), recovery="suspend", signal_grace=2.0)
     core.changed(changed("grown", alloc([0, 1, 2])), 1.0)
@@ -469,7 +494,7 @@ def test_a_second_notice_keeps_the_first_deadline_and_a_notice_while_suspended_c
     core = whole()
     core.preempted(notice(grace=10), 0.0)
     core.preempted(notice(grace=30), 1.0)
-    assert core.kill_at == 9.5
+    assert ending(core).kill_at == 9.5
     core = whole(recovery="suspend")
     core.preempted(notice(p.Recovery.SUSPEND), 0.0)
     assert core.preempted(notice(p.Recovery.SUSPEND), 1.0) == []
@@ -480,3 +505,84 @@ def test_a_shrink_during_a_restart_changes_the_devices_it_restarts_on() -> None:
     core.changed(changed("grown", alloc([0, 1, 2])), 1.0)
     core.changed(changed("shrunk", alloc([0, 1])), 1.5)  # back to what the program had
     assert core.exited(3) == [UseAllocation(alloc([0, 1]), True), Start()]
+
+
+# --- the state's rules on seeded random runs ---------------------------------------------------------
+
+
+def random_call(rng: random.Random, now: float, activity: float) -> Callable[[RunCore], list[RunAction]]:
+    """One thing that can happen to a run (or that its driver does), chosen at random."""
+    grown = alloc(sorted(rng.sample(range(4), rng.randint(1, 3))), resume=rng.random() < 0.5)
+    push = notice(rng.choice(list(p.Recovery)), whole=rng.random() < 0.7, gpus=[1], grace=rng.choice([0, 2, 10]))
+    calls: list[Callable[[RunCore], list[RunAction]]] = [
+        lambda c: c.granted(now),
+        lambda c: c.dropped(now),
+        lambda c: c.lost(now),
+        lambda c: c.park_asked(),
+        lambda c: c.tick(now, activity),
+        lambda c: c.tick(now, None),
+        lambda c: c.escaped(7, "state R"),
+        lambda c: c.preempted(push, now),
+        lambda c: c.withdrawn(now),
+        lambda c: c.revoked(revoked(gone=rng.random() < 0.5), now),
+        lambda c: c.changed(changed(rng.choice(["resumed", "grown", "shrunk"]), grown), now),
+        lambda c: c.reallocated(grown, now),
+        lambda c: c.exited(0) if isinstance(c.state, Ending) else c.tick(now, None),
+        lambda c: c.signalled(TERM, now) if c.run.started else c.tick(now, None),
+    ]
+    if rng.random() < 0.1:
+        calls += [lambda c: c.signalled(TERM, now), lambda c: c.exited(3), lambda c: c.failed("x")]
+    return rng.choice(calls)
+
+
+def test_seeded_random_runs_keep_the_rules_of_the_state_after_every_step() -> None:
+    """Whatever gpud, the program and the driver say, in any order: a program runs without the lock only
+    for a signal's grace, only Normal and Ending hold it, a park is in flight exactly while the driver has
+    one to answer, and the run ends with an Exit, after which nothing happens."""
+    ends = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        arbitrated = rng.random() < 0.6
+        core = RunCore(
+            arbitrated=arbitrated,
+            can_park=rng.random() < 0.5,
+            idle_release=rng.choice([None, 0.5]),
+            signal_grace=1.0,
+            recovery=rng.choice(list(p.Recovery)),
+            on_resize=rng.choice(["restart", "keep"]),
+        )
+        core.use_allocation(alloc([0, 1]))
+        actions, now, activity, parking = core.begin(0.0), 0.0, 0.0, False
+        for _ in range(80):
+            now += rng.choice([0.0, 0.1, 0.5, 3.0])
+            activity += rng.choice([0.0, 0.1])
+            if parking and rng.random() < 0.5:
+                actions, parking = core.park_done(rng.random() < 0.7, "m"), False
+            elif Resume() in actions and rng.random() < 0.2:
+                actions = core.resume_refused("m")
+            else:
+                actions = random_call(rng, now, activity)(core)
+            parking = parking or Park() in actions
+            run = core.run
+            assert core.shown() in get_args(RunShown)
+            if isinstance(run.state, Ended):
+                assert isinstance(actions[-1], Exit)
+                break
+            assert not (arbitrated and run.state == Normal("running") and not run.holding and run.repause_at is None)
+            assert not run.holding or isinstance(run.state, Normal | Ending)
+            assert (run.parking is not None) == parking
+        else:
+            continue
+        ends += 1
+        for _ in range(10):
+            assert random_call(rng, now, activity)(core) == []
+        assert core.state == Ended() and core.shown() == "ended"
+    assert ends > 100  # not vacuous
+
+
+def test_each_push_about_the_allocation_is_one_typed_event_with_its_trace_name() -> None:
+    pushes = [notice(), p.PreemptWithdrawn(task_id="job"), revoked(), changed("grown", alloc([0, 1]))]
+    events = [pushed(push) for push in pushes]
+    assert [type(e) for e in events] == [Preempted, Withdrawn, Revoked, Changed]
+    assert [e.name for e in events] == ["preempt", "withdrawn", "revoked", "changed"]
+    assert events[2].trace() == {"reason": "priority", "state": "running", "gone": True}

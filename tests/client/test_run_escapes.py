@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gpud_client.core.run import CONTROL_FAILED, EndProgram, Exit, Pause, ReportEscape, RunCore, Say
+from gpud_client.core.run_state import Ended, Normal
 from gpud_client.proctl.base import ControlError, Paused
 from gpud_client.proctl.cgroup import CgroupBackend, FreezerAway
 from gpud_client.proctl.signals import SignalBackend
@@ -20,7 +21,7 @@ def paused(**kw: int) -> RunCore:
     core.begin(0.0)
     core.granted(0.0)
     actions = core.dropped(1.0)
-    assert isinstance(actions[0], Pause) and core.state == "paused"
+    assert isinstance(actions[0], Pause) and core.state == Normal("paused")
     return core
 
 
@@ -33,7 +34,7 @@ def test_each_escape_is_counted_reported_and_said() -> None:
     assert first[0] == ReportEscape(41, 1)
     assert isinstance(first[1], Say) and "escape 1 of 3" in first[1].text and "41" in first[1].text
     assert core.escaped(42, "it used 30 ms of CPU time while paused")[0] == ReportEscape(42, 2)
-    assert core.state == "paused" and core.escapes == 2
+    assert core.state == Normal("paused") and core.escapes == 2
 
 
 def test_the_max_escapes_th_ends_the_program_as_a_failed_pause_does() -> None:
@@ -43,7 +44,7 @@ def test_the_max_escapes_th_ends_the_program_as_a_failed_pause_does() -> None:
     assert last[0] == ReportEscape(41, 2)
     assert isinstance(last[1], EndProgram) and "--max-escapes 2 ends it" in last[1].why
     assert isinstance(last[2], Exit) and last[2].status == CONTROL_FAILED
-    assert core.state == "ended" and core.escaped(41, "state R") == []  # nothing after the end
+    assert core.state == Ended() and core.escaped(41, "state R") == []  # nothing after the end
 
 
 def test_max_escapes_zero_never_ends_it() -> None:
@@ -51,13 +52,13 @@ def test_max_escapes_zero_never_ends_it() -> None:
     for n in range(1, 50):
         actions = core.escaped(7, "state R")
         assert actions[0] == ReportEscape(7, n) and isinstance(actions[1], Say) and f"(escape {n})" in actions[1].text
-    assert core.state == "paused"
+    assert core.state == Normal("paused")
 
 
 def test_an_escape_that_could_not_be_stopped_again_ends_it_at_once() -> None:
     core = paused(max_escapes=0)
     actions = core.escaped(9, "state R, and could not be stopped again", fatal=True)
-    assert actions[0] == ReportEscape(9, 1) and isinstance(actions[1], EndProgram) and core.state == "ended"
+    assert actions[0] == ReportEscape(9, 1) and isinstance(actions[1], EndProgram) and core.state == Ended()
 
 
 # --- the cgroup backend's order ------------------------------------------------------------------------

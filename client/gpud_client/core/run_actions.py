@@ -11,7 +11,6 @@ from typing import Literal
 
 from gpud_client import protocol as p
 
-RunState = Literal["starting", "running", "paused", "parked", "ended"]
 # What a run is doing, as gpud shows it (``RunCore.shown``; the ``run.state`` label): its program's
 # state, or where a preemption has it: told to save and end (checkpointing), ended to start again on
 # other devices (restarting), waiting for its allocation again to restart (waiting-to-restart), being

@@ -16,11 +16,12 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
 from gpud_client.core.actions import AllocationPush
+from gpud_client.core.run_events import Reallocated, ReallocationFailed, RunEvent, pushed
 from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.run.options import RunOptions
 from gpud_client.taskenv import allocation_env
@@ -30,12 +31,6 @@ FOREVER_S = 365 * 86400.0  # how long a paused program waits for gpud to come ba
 WAIT_CHUNK_MS = 3_600_000
 RETRY_S = 1.0  # between tries while gpud is away
 PREEMPT_ENV = ("GPUD_ON_PREEMPT", "GPUD_PREEMPT_GRACE_S", "GPUD_PREEMPT_SIGNAL", "GPUD_RESUME")
-PUSH_EVENTS: dict[type, str] = {
-    p.Preempt: "preempt",
-    p.PreemptWithdrawn: "withdrawn",
-    p.AllocRevoked: "revoked",
-    p.AllocChanged: "changed",
-}
 
 
 def connect(opts: RunOptions, labels: dict[str, str], say: Callable[[str], None]) -> Client | None:
@@ -102,49 +97,22 @@ def program_env(opts: RunOptions, allocated: p.Allocated, *, resume: bool, socke
     return env
 
 
-def trace_fields(kind: str, value: Any) -> dict[str, Any]:
-    """What ``--trace`` writes of an event besides its name and time."""
-    if kind in ("signal", "exited"):
-        return {"value": value}
-    if kind == "reallocation_failed":
-        return {"why": value}
-    if kind == "escape":
-        return {"pid": value.pid, "why": value.why}
-    match value:
-        case p.Preempt():
-            return {
-                "reason": str(value.reason),
-                "recovery": str(value.recovery),
-                "gpus": value.gpus,
-                "whole": value.whole,
-                "grace_s": value.grace_s,
-                "by": value.by,
-            }
-        case p.AllocRevoked():
-            return {"reason": str(value.reason), "state": str(value.state), "gone": value.gone}
-        case p.AllocChanged():
-            return {"change": value.change, "gpus": value.allocation.gpus}
-        case p.Allocated():
-            return {"gpus": value.gpus, "resume": value.resume}
-    return {}
-
-
 class Listener:
     """The client's allocation listener for one task: its pushes go on the queue as events. Added
     before the ALLOCATE, so that a PREEMPT that follows the grant at once is not missed."""
 
-    def __init__(self, task_id: str, put: Callable[[str, Any], None]) -> None:
+    def __init__(self, task_id: str, put: Callable[[RunEvent], None]) -> None:
         self.task_id = task_id
         self.put = put
 
     def __call__(self, push: AllocationPush) -> None:
         task = push.allocation.task_id if isinstance(push, p.AllocChanged) else push.task_id
         if task == self.task_id:
-            self.put(PUSH_EVENTS[type(push)], push)
+            self.put(pushed(push))
 
 
 def allocate_again(
-    client: Client, opts: RunOptions, task_id: str, put: Callable[[str, Any], None], stopping: threading.Event
+    client: Client, opts: RunOptions, task_id: str, put: Callable[[RunEvent], None], stopping: threading.Event
 ) -> None:
     """A thread's work: ALLOCATE ``task_id`` again, waiting up to ``--wait`` (without it, until
     granted); ``reallocated`` or ``reallocation_failed`` goes on the queue. Stops when the run does."""
@@ -154,7 +122,7 @@ def allocate_again(
             allocated = allocate(client, opts, task_id, WAIT_CHUNK_MS if forever else opts.wait_ms)
         except DaemonUnavailable as exc:
             if not forever:
-                put("reallocation_failed", f"task {task_id}: gpud went away while the run waited: {exc}")
+                put(ReallocationFailed(f"task {task_id}: gpud went away while the run waited: {exc}"))
                 return
             stopping.wait(RETRY_S)  # the client reconnects meanwhile
             continue
@@ -162,13 +130,13 @@ def allocate_again(
             if forever and exc.code == p.ErrorCode.INSUFFICIENT:
                 continue
             if not stopping.is_set():
-                put("reallocation_failed", f"gpud did not give task {task_id} its allocation again: {exc}")
+                put(ReallocationFailed(f"gpud did not give task {task_id} its allocation again: {exc}"))
             return
         except GpudError as exc:
             if not stopping.is_set():
-                put("reallocation_failed", f"gpud did not give task {task_id} its allocation again: {exc}")
+                put(ReallocationFailed(f"gpud did not give task {task_id} its allocation again: {exc}"))
             return
-        put("reallocated", allocated)
+        put(Reallocated(allocated))
         return
 
 

@@ -1,15 +1,16 @@
 """The run's driver: carries ``RunCore``'s decisions out on a real program, a real gpud and a backend.
 
-Threads, none of them deciding anything: the main thread reads events from one
-queue and carries out the core's actions in order; a lock thread waits for the
-session's grant when the core asks for the lock; a watcher waits for the program's
-end (the keeper's socket); the session's hooks (DROP_LOCK, a lost lock, PARK) and
-the signals SIGINT, SIGTERM and SIGHUP only put an event on the queue. So a pause,
-a park and a resume never overlap, and a DROP_LOCK is answered as soon as the
-tree is paused: the queue wakes the main thread at once. gpud's pushes about the
-run's allocation (``run/allocation.py``) come the same way, from the client's
-reader; an ALLOCATE that waits for room again has a thread of its own. A program
-started again (a checkpoint, a resize) gets a fresh keeper.
+Threads, none of them deciding anything: the main thread reads events (typed, in
+``core/run_events.py``) from one queue and carries out the core's actions in order;
+a lock thread waits for the session's grant when the core asks for the lock; a
+watcher waits for the program's end (the keeper's socket); the session's hooks
+(DROP_LOCK, a lost lock, PARK) and the signals SIGINT, SIGTERM and SIGHUP only put
+an event on the queue. So a pause, a park and a resume never overlap, and a
+DROP_LOCK is answered as soon as the tree is paused: the queue wakes the main thread
+at once. gpud's pushes about the run's allocation (``run/allocation.py``) come the
+same way, from the client's reader; an ALLOCATE that waits for room again has a
+thread of its own. A program started again (a checkpoint, a resize) gets a fresh
+keeper.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Any
+from typing import IO, assert_never
 
 from gpud_client import protocol as p
 from gpud_client.client import Client, Session
+from gpud_client.core import run_events as ev
 from gpud_client.core.run import (
     Allocate,
     AnswerPark,
@@ -51,7 +52,7 @@ from gpud_client.proctl.base import Backend, ControlError
 from gpud_client.proctl.keeper import Keeper
 from gpud_client.proctl.signals import Escape
 from gpud_client.proctl.tree import ProcessTree
-from gpud_client.run.allocation import PREEMPT_ENV, allocate_again, free, give_back, program_env, trace_fields
+from gpud_client.run.allocation import PREEMPT_ENV, allocate_again, free, give_back, program_env
 from gpud_client.run.contain import Containment
 from gpud_client.run.options import RunOptions
 from gpud_client.run.trace import Trace
@@ -60,14 +61,6 @@ from gpud_client.units import printable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TICK_S = 0.1  # how often a running program's activity is looked at (idle release, signal grace)
-
-
-@dataclass(frozen=True, slots=True)
-class _Event:
-    kind: str  # granted, grant_failed, drop, lost, park, exited, signal, escape; preempt, withdrawn,
-    # revoked, changed, reallocated, reallocation_failed
-    value: Any = None
-    t_ns: int = field(default_factory=time.monotonic_ns)  # when it happened (the hook ran), for --trace
 
 
 class Supervisor:
@@ -80,16 +73,8 @@ class Supervisor:
         self.backend: Backend | None = None  # None: never paused (whole GPUs, no daemon)
         self.prog = prog
         self.err = err or sys.stderr
-        self.events: queue.Queue[_Event] = queue.Queue()
-        self.core = RunCore(
-            idle_release=opts.idle_release,
-            signal_grace=opts.signal_grace,
-            arbitrated=False,
-            recovery=opts.on_preempt,
-            on_resize=opts.on_resize,
-            checkpoint_signal=opts.checkpoint_signal,
-            max_escapes=opts.max_escapes,
-        )
+        self.events: queue.Queue[tuple[int, ev.RunEvent]] = queue.Queue()  # when it happened (for --trace), what
+        self.core = self._new_core(arbitrated=False, can_park=False)
         self.client: Client | None = None
         self.containment: Containment | None = None  # the program handed to gpud (CONTAIN)
         self.session: Session | None = None
@@ -102,13 +87,27 @@ class Supervisor:
         self._want_lock = threading.Semaphore(0)
         self._stopping = threading.Event()
         self._told_fallback = False
+        self._park_moved: int | None = None  # what the last park moved, for --trace
+
+    def _new_core(self, *, arbitrated: bool, can_park: bool) -> RunCore:
+        opts = self.opts
+        return RunCore(
+            idle_release=opts.idle_release,
+            signal_grace=opts.signal_grace,
+            can_park=can_park,
+            arbitrated=arbitrated,
+            recovery=opts.on_preempt,
+            on_resize=opts.on_resize,
+            checkpoint_signal=opts.checkpoint_signal,
+            max_escapes=opts.max_escapes,
+        )
 
     def use(self, backend: Backend | None, *, arbitrated: bool | None = None) -> None:
-        """Pause the program with ``backend`` (None: never paused); ``arbitrated`` (default: with a
-        backend): only while a session holds the lock. Whole GPUs have one only to be suspended."""
+        """Before the run: pause the program with ``backend`` (None: never paused); ``arbitrated`` (default:
+        with a backend): only while a session holds the lock. Whole GPUs have one only to be suspended."""
         self.backend = backend
-        self.core.arbitrated = backend is not None if arbitrated is None else arbitrated and backend is not None
-        self.core.can_park = backend is not None and backend.can_park
+        arbitrated = backend is not None if arbitrated is None else arbitrated and backend is not None
+        self.core = self._new_core(arbitrated=arbitrated, can_park=backend is not None and backend.can_park)
 
     def say(self, text: str) -> None:
         print(f"{self.prog}: {text}", file=self.err, flush=True)
@@ -125,7 +124,7 @@ class Supervisor:
             self._use_allocation(allocated, resume=allocated.resume)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED} if self.forward_signals else {}
         try:
-            if client is not None and self.core.arbitrated:
+            if client is not None and self.core.config.arbitrated:
                 self._open_session(client, allocated)
                 threading.Thread(target=self._lock_loop, name="gpud-run-lock", daemon=True).start()
             return self._loop()
@@ -147,9 +146,9 @@ class Supervisor:
             memory_probe=lambda: 0,
             framework_hooks=False,
             task_id=allocated.task_id if allocated is not None else opts.task,
-            on_drop=lambda reason: self.events.put(_Event("drop", reason)),
-            on_lost=lambda error: self.events.put(_Event("lost", error)),
-            on_park=(lambda: self.events.put(_Event("park"))) if self.core.can_park else None,
+            on_drop=lambda reason: self.post(ev.Dropped(reason)),
+            on_lost=lambda error: self.post(ev.Lost(error.why)),
+            on_park=(lambda: self.post(ev.ParkAsked())) if self.core.config.can_park else None,
         )
         if allocated is None:  # as an allocation names it: NVML's index, which is PCI bus order
             self.env["CUDA_VISIBLE_DEVICES"] = str(self.session.gpu)
@@ -166,11 +165,11 @@ class Supervisor:
 
     def escaped(self, escape: Escape) -> None:
         """The signal backend's watcher caught a process of the paused tree running (its thread)."""
-        self.events.put(_Event("escape", escape))
+        self.post(ev.Escaped(escape.pid, escape.why, escape.fatal))
 
-    def post(self, kind: str, value: Any = None) -> None:
-        """An event for the run's loop, from any thread (the allocation listener's, say)."""
-        self.events.put(_Event(kind, value))
+    def post(self, event: ev.RunEvent) -> None:
+        """An event for the run's loop, from any thread (the allocation listener's, say), stamped now."""
+        self.events.put((time.monotonic_ns(), event))
 
     def _loop(self) -> int:
         pending = self.core.begin(time.monotonic())
@@ -182,47 +181,48 @@ class Supervisor:
             self._show()
             now = time.monotonic()
             try:
-                ev = self.events.get(timeout=max(0.0, next_tick - now))
+                t_ns, event = self.events.get(timeout=max(0.0, next_tick - now))
             except queue.Empty:
                 now = time.monotonic()
                 pending = self.core.tick(now, self._activity())
                 next_tick = self.core.next_tick(now, TICK_S)
                 continue
-            pending = self._handle(ev, time.monotonic())
+            self.trace.event(event.name, t_ns, **event.trace())
+            pending = self._handle(event, time.monotonic())
 
-    def _handle(self, ev: _Event, now: float) -> list[RunAction]:
+    def _handle(self, event: ev.RunEvent, now: float) -> list[RunAction]:
         core = self.core
-        self.trace.event(ev.kind, ev.t_ns, **trace_fields(ev.kind, ev.value))
-        match ev.kind:
-            case "granted":  # the session's: one closed since (a restart on another allocation) is not
-                return core.granted(now) if ev.value is self.session else []
-            case "drop":
+        match event:
+            case ev.Granted(session=session):  # one closed since (a restart on another allocation) is not the run's
+                return core.granted(now) if session is self.session else []
+            case ev.Dropped():
                 return core.dropped(now)
-            case "lost":
-                return core.lost(now, ev.value.why)
-            case "park":
+            case ev.Lost(why=why):
+                return core.lost(now, why)
+            case ev.ParkAsked():
                 return core.park_asked()
-            case "signal":
-                return core.signalled(ev.value, now)
-            case "exited":
-                return core.exited(ev.value)
-            case "escape":
-                return core.escaped(ev.value.pid, ev.value.why, fatal=ev.value.fatal)
-            case "grant_failed":
-                return core.failed(f"gpud refused the program's session: {ev.value}")
-            case "preempt":
-                return core.preempted(ev.value, now)
-            case "withdrawn":
+            case ev.Signalled(signum=signum):
+                return core.signalled(signum, now)
+            case ev.Exited(status=status):
+                return core.exited(status)
+            case ev.Escaped(pid=pid, why=why, fatal=fatal):
+                return core.escaped(pid, why, fatal=fatal)
+            case ev.GrantFailed(why=why):
+                return core.failed(f"gpud refused the program's session: {why}")
+            case ev.Preempted(push=push):
+                return core.preempted(push, now)
+            case ev.Withdrawn():
                 return core.withdrawn(now)
-            case "revoked":
-                return core.revoked(ev.value, now)
-            case "changed":
-                return core.changed(ev.value, now)
-            case "reallocated":
-                return core.reallocated(ev.value, now)
-            case "reallocation_failed":
-                return core.reallocation_failed(ev.value)
-        raise AssertionError(ev.kind)
+            case ev.Revoked(push=revoked):
+                return core.revoked(revoked, now)
+            case ev.Changed(push=changed):
+                return core.changed(changed, now)
+            case ev.Reallocated(allocation=allocation):
+                return core.reallocated(allocation, now)
+            case ev.ReallocationFailed(why=why):
+                return core.reallocation_failed(why)
+            case _:
+                assert_never(event)
 
     def _show(self) -> None:
         """gpud shows what the run is doing (its ``run.state`` label) from the run's own word."""
@@ -231,7 +231,7 @@ class Supervisor:
             self.client.set_labels({**self.client.labels, STATE: shown})
 
     def _activity(self) -> float | None:
-        if self.core.idle_release is None or self.tree is None:
+        if self.core.config.idle_release is None or self.tree is None:
             return None
         return self.tree.cpu_seconds()
 
@@ -250,8 +250,7 @@ class Supervisor:
                 more = self._do(action)
             except ControlError as exc:
                 if not exc.fatal and isinstance(action, Resume):
-                    self.say(f"could not resume the program yet: {exc}; giving the turn back")
-                    more = self.core.resume_refused()
+                    more = self.core.resume_refused(str(exc))
                 else:
                     more = self.core.failed(f"{exc}; the program was ended so that it never runs unarbitrated")
                 actions = []  # what followed assumed the action worked
@@ -261,10 +260,10 @@ class Supervisor:
         return None
 
     def _do(self, action: RunAction) -> list[RunAction] | int:
-        self.core.last_park_bytes = None
+        self._park_moved = None
         result = self._act(action)
         if self.trace.out is not None:
-            self.trace.did(action, time.monotonic_ns(), self.core.last_park_bytes)
+            self.trace.did(action, time.monotonic_ns(), self._park_moved)
         return result
 
     def _act(self, action: RunAction) -> list[RunAction] | int:
@@ -298,7 +297,7 @@ class Supervisor:
                     if exc.fatal:
                         raise
                     return self.core.park_done(False, str(exc))
-                self.core.last_park_bytes = moved
+                self._park_moved = moved
                 return self.core.park_done(True, f"{moved} bytes to host memory")
             case AnswerPark(ok=ok, message=message):
                 assert session is not None
@@ -360,7 +359,7 @@ class Supervisor:
     # --- threads that only feed the queue -------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.events.put(_Event("signal", signum))
+        self.post(ev.Signalled(signum))
 
     def _lock_loop(self) -> None:
         while True:
@@ -377,9 +376,9 @@ class Supervisor:
                     return
                 if session is not self.session:
                     continue  # closed for a restart on another allocation: the next request is the new one's
-                self.events.put(_Event("grant_failed", exc))
+                self.post(ev.GrantFailed(str(exc)))
                 return
-            self.events.put(_Event("granted", session))
+            self.post(ev.Granted(session))
 
     def _watch_program(self) -> None:
         keeper = self.keeper
@@ -389,7 +388,7 @@ class Supervisor:
             status = keeper.exit_code()
         except (OSError, ValueError):
             return  # the run closed the keeper: it is ending anyway
-        self.events.put(_Event("exited", status))
+        self.post(ev.Exited(status))
 
     def _close(self) -> None:
         self._stopping.set()
