@@ -40,10 +40,10 @@ from gpud.host.config import Config
 from gpud.host.devices import Gpu, simulated_gpus
 from gpud.host.metrics import Metrics
 from gpud.host.store import Store, StoreError
+from gpud.kit.state import ClientLink
 from gpud.serving.connections import handle_payload, serve_connection
 from gpud.serving.monitor import publish
 from gpud.serving.server import Daemon
-from gpud.serving.state import ClientLink
 from gpud.serving.timers import tick_allocations, tick_gpu
 from gpud_client import protocol as p
 from gpud_client.core import HOLD, ClientCore, SessionState
@@ -142,7 +142,7 @@ class Node:
         restart_grace_us: int = 0,
         **fields: Any,
     ) -> None:
-        """``clock``: a ``FakeClock`` (the default) or the real one (``gpud.serving.state.now_us``) for a daemon
+        """``clock``: a ``FakeClock`` (the default) or the real one (``gpud.kit.state.now_us``) for a daemon
         served on a real socket (``open_listener`` and ``serve``). The configuration is ``config`` as it is
         (a simulation's draw), or ``Config``'s defaults with these ``fields``, a socket nobody listens on,
         no metrics endpoint, no reaping, and a state directory of its own unless ``state_dir`` is given.

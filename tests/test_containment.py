@@ -31,10 +31,10 @@ from gpud.core.errors import Inconsistent
 from gpud.core.scheduler import Grant
 from gpud.host.config import Config
 from gpud.host.devices import Gpu, Reading
+from gpud.kit.state import now_us
 from gpud.serving.listener import open_listener, serve
 from gpud.serving.monitor import run_monitor
 from gpud.serving.server import Daemon
-from gpud.serving.state import now_us
 from gpud_client import protocol as p
 
 
@@ -286,7 +286,7 @@ async def test_an_inconsistent_scheduler_stops_the_daemon(monkeypatch: pytest.Mo
     listener, _ = await open_listener(node.config)
 
     def corrupt(conn: Any, msg: Any, now: int) -> Any:
-        daemon.slots[0].scheduler._queue.append((0, 0, 12345))  # a queued session that does not exist
+        daemon.slots[0].scheduler.st.queue.append((0, 0, 12345))  # a queued session that does not exist
         raise RuntimeError("a bug that left the scheduler wrong")
 
     monkeypatch.setitem(daemon.handlers, p.Attach, corrupt)

@@ -12,10 +12,10 @@ from gpud.core.scheduler import GpuScheduler
 from gpud.host.config import Config
 from gpud.host.devices import simulated_gpus
 from gpud.host.metrics import Metrics
-from gpud.serving.effects import Effects
-from gpud.serving.faults import Faults
+from gpud.kit.effects import Effects
+from gpud.kit.faults import Faults
+from gpud.kit.state import GpuSlot
 from gpud.serving.server import scheduler_config
-from gpud.serving.state import GpuSlot
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ except ImportError:  # run by the pytest script: tests/ is on the path, the repo
     from sim.daemon_sim import scratch_root  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
-    from gpud.serving.state import ClientLink
+    from gpud.kit.state import ClientLink
 
 GIB = 2**30
 EXAMPLES = int(os.environ.get("GPUD_FUZZ_EXAMPLES", "200"))  # about 15 s on a 2-core machine
@@ -193,7 +193,7 @@ class Fuzz:
         self.registry = self.node.registry
         self.daemon = self.node.daemon
         assert self.daemon.started_at == clock.us, "the fake clock is not the daemon's"
-        self.daemon.allocations.ledger._rng.seed(0)  # the "random" strategy's choices, the same every run
+        self.daemon.allocations.ledger.state.rng.seed(0)  # the "random" strategy's choices, the same every run
         self.peers: list[Peer] = []
         self.closed: list[Peer] = []
         self.sessions: set[int] = set()

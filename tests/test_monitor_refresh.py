@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 from gpud.host.config import Config
 from gpud.host.devices import simulated_gpus
 from gpud.host.metrics import Metrics
+from gpud.kit.state import ClientLink
 from gpud.main import SLOW_TURN_ENV, instruments
 from gpud.serving.monitor import Monitor, publish
 from gpud.serving.server import Daemon
-from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 PER_CONNECTION = 100

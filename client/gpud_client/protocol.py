@@ -45,7 +45,16 @@ HEADER_BYTES = _HEADER.size
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 SessionId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 GrantNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]
-Priority = Annotated[int, Meta(ge=0, le=100)]
+# The priority classes' numbers (``PriorityClass``, ``PRIORITY_OF_CLASS``), named once: the core, the
+# daemon, gpuctl and the clients use these names, never the numbers. Production is never taken back
+# by a request, spot at any time; a request that names no priority runs at the default.
+PRODUCTION_PRIORITY = 100
+HIGH_PRIORITY = 75
+NORMAL_PRIORITY = 50
+BEST_EFFORT_PRIORITY = 10
+SPOT_PRIORITY = 0
+DEFAULT_PRIORITY = NORMAL_PRIORITY
+Priority = Annotated[int, Meta(ge=SPOT_PRIORITY, le=PRODUCTION_PRIORITY)]
 # Names, labels and trace fields end up in tables, logs and metric labels: no control characters.
 _PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Name = Annotated[str, Meta(max_length=128, pattern=_PRINTABLE)]
@@ -174,11 +183,11 @@ class PriorityClass(enum.StrEnum):
 
 
 PRIORITY_OF_CLASS = {
-    PriorityClass.PRODUCTION: 100,
-    PriorityClass.HIGH: 75,
-    PriorityClass.NORMAL: 50,
-    PriorityClass.BEST_EFFORT: 10,
-    PriorityClass.SPOT: 0,
+    PriorityClass.PRODUCTION: PRODUCTION_PRIORITY,
+    PriorityClass.HIGH: HIGH_PRIORITY,
+    PriorityClass.NORMAL: NORMAL_PRIORITY,
+    PriorityClass.BEST_EFFORT: BEST_EFFORT_PRIORITY,
+    PriorityClass.SPOT: SPOT_PRIORITY,
 }
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import structlog
 
-from gpud.serving.access import Access
-from gpud.serving.effects import Effects
-from gpud.serving.links import Links
-from gpud.serving.state import ClientLink, GpuRefs, Handler
+from gpud.kit.access import Access
+from gpud.kit.effects import Effects
+from gpud.kit.links import Links
+from gpud.kit.state import ClientLink, GpuRefs, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

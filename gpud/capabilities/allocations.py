@@ -47,9 +47,9 @@ from gpud.host.config import Config
 from gpud.host.owners import Kind, TaskOwners
 from gpud.host.procs import Held, Signals
 from gpud.host.store import Store, StoreError
-from gpud.serving.faults import Faults
-from gpud.serving.parts import Part, Pieces
-from gpud.serving.state import ClientLink, Handler
+from gpud.kit.faults import Faults
+from gpud.kit.parts import Part, Pieces
+from gpud.kit.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
@@ -205,7 +205,7 @@ class Allocations(Part):
         if priority is None:
             priority = p.PRIORITY_OF_CLASS[msg.priority_class] if msg.priority_class else None
         self.access.check_priority(conn, priority, "allocation")
-        priority = 50 if priority is None else priority
+        priority = p.DEFAULT_PRIORITY if priority is None else priority
         if msg.existing and existing is None and not suspended:
             raise Refused(
                 p.ErrorCode.UNKNOWN_TASK,

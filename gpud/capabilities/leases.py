@@ -24,8 +24,8 @@ from gpud.core.leases import LeasePolicy, LeaseTerms, refusal_status, resolve_te
 from gpud.core.scheduler import Grant, HoldOverdue, LeaseDenied, Revoke
 from gpud.host.config import Config
 from gpud.host.metrics import Metrics
-from gpud.serving.parts import Part, Pieces
-from gpud.serving.state import ClientLink, Handler
+from gpud.kit.parts import Part, Pieces
+from gpud.kit.state import ClientLink, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

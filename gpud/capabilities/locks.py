@@ -20,8 +20,8 @@ from gpud.core.ledger import Allocation
 from gpud.core.scheduler import AskPark, Drop, Grant, MemOverLimit, ParkOverdue, Revoke
 from gpud.host.logging import debug
 from gpud.host.metrics import Metrics, session_labels
-from gpud.serving.parts import Part, Pieces
-from gpud.serving.state import ClientLink, GpuSlot, Handler
+from gpud.kit.parts import Part, Pieces
+from gpud.kit.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

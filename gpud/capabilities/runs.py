@@ -41,9 +41,9 @@ from gpud.host.cgroups import RunCgroup, RunCgroups, Unavailable, daemon_key, pr
 from gpud.host.config import Config
 from gpud.host.metrics import Metrics
 from gpud.host.procs import Held, ancestry, caller, hold, read_facts
-from gpud.serving.faults import Faults
-from gpud.serving.links import Links
-from gpud.serving.state import ClientLink, Clock, Handler
+from gpud.kit.faults import Faults
+from gpud.kit.links import Links
+from gpud.kit.state import ClientLink, Clock, Handler
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpud import __version__
-from gpud.serving.links import Links
-from gpud.serving.state import ClientLink, GpuSlot, Handler
+from gpud.kit.links import Links
+from gpud.kit.state import ClientLink, GpuSlot, Handler
 from gpud_client import protocol as p
 
 

@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy
 from gpud.core.ledger import UNIT, Allocation
-from gpud_client.protocol import ErrorCode
+from gpud_client.protocol import NORMAL_PRIORITY, PRODUCTION_PRIORITY, ErrorCode
 
-ADMIN_PRIORITY = 100
+ADMIN_PRIORITY = PRODUCTION_PRIORITY  # an admin may declare any priority
 
 
 @dataclass(frozen=True, slots=True)
 class PriorityRules:
-    default_max: int = 50
+    default_max: int = NORMAL_PRIORITY
     by_uid: Mapping[int, int] = field(default_factory=dict)
     by_gid: Mapping[int, int] = field(default_factory=dict)
 

@@ -23,9 +23,7 @@ nothing). Kept, in ``SortedKeys`` or ``ByTime`` (a change costs O(log n), read o
 - deadlines of notices, waits and immunities (``advance`` and ``next_deadline`` read the first);
 - the allocations that hold CPU cores (at most the node's cores) and the elastic ones.
 
-``VictimPool`` reads in bulk what a choice takes by the thousand (``preemption.Chunk``): whether a
-GPU can be emptied from its counts (a walk in C only for the GPU chosen: reachable, not planned for
-another waiter), and a group's first or last few as task ids filtered in C.
+``gpud.core.victim_pool`` reads these indexes in bulk as a choice takes victims by the thousand.
 
 The facts kept per task (``_Facts``) hold no reference cycle, so the garbage collector does not
 track them: 20 000 allocations do not lengthen its full collections.
@@ -36,21 +34,19 @@ task's facts while indexing one; be read between a change of the ledger's dicts 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
-from itertools import filterfalse, islice
-from operator import itemgetter
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import msgspec
 
-import gpud.core.preemption as preemption
-from gpud.core.preemption import Candidate, Chunk, Group, GroupKey, in_order, nothing_on
+from gpud.core.preemption import Candidate, GroupKey
+from gpud.core.shields import by_terms, runs_minimum
 from gpud.core.sortedkeys import ByTime, SortedKeys
-from gpud_client.protocol import PreemptReason, PreemptStrategy, Recovery
+from gpud_client.protocol import PreemptReason, Recovery
 from gpud_client.units import GPU_UNIT as UNIT
 
 
-class _Alloc(Protocol):
+class Alloc(Protocol):
     """What the index reads of a ``gpud.core.ledger.Allocation`` (a protocol: the ledger imports this module)."""
 
     @property
@@ -116,7 +112,7 @@ Queued = tuple[int, int, str]  # (-priority, seq, task id): a waiter's place in 
 DRAIN = "drain"  # the ``by`` of a drain's notices
 
 
-def as_victim(a: _Alloc, reason: PreemptReason, gpus: tuple[int, ...]) -> Candidate:
+def as_victim(a: Alloc, reason: PreemptReason, gpus: tuple[int, ...]) -> Candidate:
     whole = gpus == a.gpus
     return Candidate(
         a.task_id, gpus, a.share, len(a.cpus) if whole else 0, a.priority, a.created_us, whole, reason, a.tenant
@@ -124,7 +120,7 @@ def as_victim(a: _Alloc, reason: PreemptReason, gpus: tuple[int, ...]) -> Candid
 
 
 class _Facts(msgspec.Struct, frozen=True, gc=False):
-    alloc: Any  # _Alloc | None
+    alloc: Any  # Alloc | None
     notice: Any  # _Told | None
     immune_until: int | None
     wait_deadline: int | None  # None: no wait, or one without a deadline
@@ -134,21 +130,21 @@ class _Facts(msgspec.Struct, frozen=True, gc=False):
 
 
 _NONE = _Facts(None, None, None, None, False)
-_second = itemgetter(1)
 
 
-def _lower(a: _Alloc) -> bool:
-    """Whether a request of a higher priority may take it back whole: once it is mature, while it
-    has no notice and no immunity, and when someone can be told (the shell's ``reachable``). Those
-    three change with time or often (10 000 notices at once), so they are read when choosing."""
-    return a.priority < 100 and not a.protected and a.on_preempt != Recovery.SHRINK
+def takes_whole(a: Alloc) -> bool:
+    """Whether a request of a higher priority may ever take it back whole, by its terms (the rule's
+    part in ``gpud.core.shields``; one that only shrinks never is): once it is mature, when nothing
+    keeps it away (the ledger's ``takeback.away``) and someone can be told (the shell's
+    ``reachable``). Those change with time or often (10 000 notices at once): read when choosing."""
+    return by_terms(a) is None and a.on_preempt != Recovery.SHRINK
 
 
 class LedgerIndex:
     __slots__ = (
-        "_allocs",
-        "_notices",
-        "_immune",
+        "allocs",
+        "notices",
+        "immune",
         "_waiting",
         "_never",
         "_facts",
@@ -156,7 +152,7 @@ class LedgerIndex:
         "_tenant_used",
         "_by_tenant",
         "_maturing",
-        "_lower",
+        "lower_groups",
         "cpu_holders",
         "elastic",
         "_notice_due",
@@ -177,13 +173,13 @@ class LedgerIndex:
 
     def __init__(
         self,
-        allocs: Mapping[str, _Alloc],
+        allocs: Mapping[str, Alloc],
         notices: Mapping[str, _Told],
         immune: Mapping[str, int],
         waiting: Mapping[str, _Wait],
         never: int,
     ) -> None:
-        self._allocs, self._notices, self._immune, self._waiting = allocs, notices, immune, waiting
+        self.allocs, self.notices, self.immune, self._waiting = allocs, notices, immune, waiting
         self._never = never
         self._facts: dict[str, _Facts] = {}
         self.reads = 0  # allocations made into candidates: what choosing read
@@ -192,7 +188,7 @@ class LedgerIndex:
         self._by_tenant: dict[str, SortedKeys[tuple[int, str]]] = {}  # (-created, task id)
         self._maturing = ByTime()  # allocations of priority above 0 by when they were made
         # gpu -> (units, share, priority) -> (-created, id): the groups ``preemption.Ranked`` reads
-        self._lower: dict[int, dict[GroupKey, SortedKeys[tuple[int, str]]]] = {}
+        self.lower_groups: dict[int, dict[GroupKey, SortedKeys[tuple[int, str]]]] = {}
         self.cpu_holders: dict[str, None] = {}
         self.elastic: dict[str, None] = {}
         self._notice_due = ByTime()
@@ -213,8 +209,8 @@ class LedgerIndex:
         return "<ledger index>"  # derived, not state
 
     def update(self, t: str) -> None:
-        a = self._allocs.get(t)
-        n = self._notices.get(t)
+        a = self.allocs.get(t)
+        n = self.notices.get(t)
         w = self._waiting.get(t)
         wait = None if w is None or w.deadline >= self._never else w.deadline
         suspended = w is not None and w.suspended is not None
@@ -222,7 +218,7 @@ class LedgerIndex:
         if w is not None and suspended:
             r = w.request
             parked = ((-r.priority, w.seq, t), min(r.gpus, UNIT), r.pinned)
-        facts = _Facts(a, n, self._immune.get(t), wait, suspended, () if w is None else w.plan, parked)
+        facts = _Facts(a, n, self.immune.get(t), wait, suspended, () if w is None else w.plan, parked)
         old = self._facts.get(t, _NONE)
         if old.alloc is a:
             if old == facts:
@@ -254,17 +250,17 @@ class LedgerIndex:
             if a.tenant is not None:
                 self._tenant_used[a.tenant] = self._tenant_used.get(a.tenant, 0) + sign * a.total
                 put(self._by_tenant.setdefault(a.tenant, SortedKeys()), (-a.created_us, t))
-            if a.priority > 0:
+            if runs_minimum(a.priority):
                 put_at(self._maturing, a.created_us)
             for held, yes in ((self.cpu_holders, bool(a.cpus)), (self.elastic, bool(a.gpus_max))):
                 if yes and sign > 0:
                     held[t] = None
                 elif yes:
                     del held[t]
-            if _lower(a):
+            if takes_whole(a):
                 key = (a.total, a.share, a.priority)
                 for g in a.gpus:
-                    groups = self._lower.setdefault(g, {})
+                    groups = self.lower_groups.setdefault(g, {})
                     group = groups.setdefault(key, SortedKeys())
                     put(group, (-a.created_us, t))
                     if not group:
@@ -334,7 +330,7 @@ class LedgerIndex:
                 if now is not None:
                     due.add(now, t)
 
-    def _put_untold(self, t: str, a: _Alloc, add: bool) -> None:
+    def _put_untold(self, t: str, a: Alloc, add: bool) -> None:
         for g in a.gpus:
             keys = self.untold.setdefault(g, SortedKeys())
             keys.add(t) if add else keys.remove(t)
@@ -410,13 +406,10 @@ class LedgerIndex:
     def first_immunity(self) -> int | None:
         return self._immune_due.first()
 
-    def victim(self, a: _Alloc) -> Candidate:
+    def victim(self, a: Alloc) -> Candidate:
         """``a`` as a whole victim (made when read, not kept: a plan may read thousands)."""
         self.reads += 1
         return as_victim(a, PreemptReason.PRIORITY, a.gpus)
-
-    def lower_pool(self, priority: int, mature: int, reachable: Container[str], skip: set[str]) -> VictimPool:
-        return VictimPool(self, priority, mature, reachable, skip)
 
 
 def _count(counts: dict[Any, int], key: Any, by: int) -> None:
@@ -429,188 +422,3 @@ def _count(counts: dict[Any, int], key: Any, by: int) -> None:
 
 def _deadline(n: _Told | None) -> int | None:
     return None if n is None else n.deadline
-
-
-class _Group:
-    """One group of a GPU for one request: its mature (or priority 0), eligible allocations."""
-
-    __slots__ = ("_keys", "_cut", "_pool")
-
-    def __init__(self, keys: SortedKeys[tuple[int, str]], cut: tuple[int, str] | None, pool: VictimPool) -> None:
-        self._keys, self._cut, self._pool = keys, cut, pool
-
-    def ids(self, taken: Container[str] = ()) -> Iterator[str]:
-        """The task ids of its candidates, newest first, read at C speed past those that are not."""
-        keys = self._keys.from_(self._cut) if self._cut is not None else iter(self._keys)
-        return self._pool._eligible(map(_second, keys), taken)
-
-    def ids_oldest(self, taken: Container[str] = ()) -> Iterator[str]:
-        return self._pool._eligible(map(_second, self._keys.down_to(self._cut)), taken)
-
-    def newest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
-        return map(self._pool._victim, self.ids(taken))
-
-    def oldest(self, taken: Container[str] = ()) -> Iterator[Candidate]:
-        return map(self._pool._victim, self.ids_oldest(taken))
-
-
-class VictimPool:
-    """The allocations of priority below ``priority`` that a request may take back whole, mature
-    by ``mature`` (or of priority 0), reachable, without a notice or immunity, not planned for
-    another waiter and not in ``skip``: ``preemption.Ranked``, read from the index as far as the
-    choice reads."""
-
-    def __init__(
-        self,
-        index: LedgerIndex,
-        priority: int,
-        mature: int,
-        reachable: Container[str],
-        skip: set[str],
-    ) -> None:
-        self._index, self._priority, self._mature = index, priority, mature
-        self._reachable, self._skip = reachable, skip
-        # what leaves an allocation out, each looked up in C (the ledger's dicts, the shell's set)
-        self._out: list[Container[str]] = [index._notices, index._immune, index.chosen, skip]
-        out = self._out
-        self._ok: Callable[[str], bool] = lambda t: t in reachable and not any(t in o for o in out)
-
-    def _eligible(self, ids: Iterator[str], taken: Container[str]) -> Iterator[str]:
-        ids = filter(self._reachable.__contains__, ids)
-        for out in (*self._out, taken):
-            if out:
-                ids = filterfalse(out.__contains__, ids)
-        return ids
-
-    def _victim(self, t: str) -> Candidate:
-        return self._index.victim(self._index._allocs[t])
-
-    def on(self, gpu: int) -> dict[GroupKey, Group]:
-        cut = (-self._mature, "")  # (-created, id) from here on: made by ``mature``
-        return {
-            k: _Group(keys, cut if k[2] else None, self)
-            for k, keys in self._index._lower.get(gpu, {}).items()
-            if k[2] < self._priority
-        }
-
-    def with_cpus(self) -> list[Candidate]:
-        index, out = self._index, []
-        for t in index.cpu_holders:
-            a = index._allocs[t]
-            if _lower(a) and a.priority < self._priority and (not a.priority or a.created_us <= self._mature):
-                if self._ok(t):
-                    out.append(index.victim(a))
-        return out
-
-    def first(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
-        return self._chunk(gpu, key, n, taken, newest=True)
-
-    def last(self, gpu: int, key: GroupKey, n: int, taken: Container[str]) -> Chunk | None:
-        return self._chunk(gpu, key, n, taken, newest=False)
-
-    def _chunk(self, gpu: int, key: GroupKey, n: int, taken: Container[str], *, newest: bool) -> Chunk | None:
-        keys = self._index._lower.get(gpu, {}).get(key)
-        if keys is None or key[2] >= self._priority:
-            return None
-        group = _Group(keys, (-self._mature, "") if key[2] else None, self)
-        ids = list(islice(group.ids(taken) if newest else group.ids_oldest(taken), n))
-        if not ids:
-            return None
-        allocs = self._index._allocs
-        return Chunk(
-            gpu,
-            len(ids),
-            len(ids) * key[1],
-            self._cpus_among(ids),
-            ((key[2], len(ids)),),
-            allocs[ids[-1] if newest else ids[0]].created_us,
-            key[1],
-            lambda: ids,
-            lambda: [self._victim(t) for t in ids],
-            lambda: _tenants(allocs[t] for t in ids),
-        )
-
-    def whole(self, gpu: int, taken: Collection[str], strategy: PreemptStrategy) -> Chunk | None:
-        """Counted from the index: every allocation on ``gpu`` is of a group below the priority,
-        none immature, told or immune; and, looked up in C when the GPU is chosen (``Chunk.holds``),
-        none planned for another waiter or in ``skip``, all reachable."""
-        index = self._index
-        held = index.held_on.get(gpu, 0)
-        if held < preemption.BULK or any(gpu in a.gpus for t in taken if (a := index._allocs.get(t)) is not None):
-            return None
-        groups = [(k, keys) for k, keys in index._lower.get(gpu, {}).items() if k[2] < self._priority]
-        if any(k[0] != k[1] or k[1] >= UNIT for k, _ in groups):
-            return None  # a whole allocation among them (not with this many): read it
-        untold = index.untold.get(gpu)
-        cut = self._mature
-        if (
-            sum(len(keys) for _, keys in groups) != held
-            or untold is None
-            or len(untold) != held
-            or index.immune_on.get(gpu)
-            or any(k[2] and _made(keys.first()) > cut for k, keys in groups)  # the newest is immature
-        ):
-            return nothing_on(gpu)
-        chosen, skip, reachable = index.chosen, self._skip, self._reachable
-        priorities: dict[int, int] = {}
-        for k, keys in groups:
-            priorities[k[2]] = priorities.get(k[2], 0) + len(keys)
-        cpus = sum(len(a.cpus) for t in index.cpu_holders if gpu in (a := index._allocs[t]).gpus)
-        return Chunk(
-            gpu,
-            held,
-            sum(len(keys) * k[1] for k, keys in groups),
-            cpus,
-            tuple(sorted(priorities.items(), reverse=True)),
-            min(_made(keys.last()) for _, keys in groups),
-            min(k[1] for k, _ in groups),
-            lambda: list(untold),
-            lambda: list(in_order(self.on(gpu), strategy)),
-            lambda: _with_none(index.tenant_on.get(gpu, {})),
-            lambda: not _meets(chosen, untold) and not _meets(skip, untold) and _within(untold, reachable),
-        )
-
-    def _cpus_among(self, ids: list[str]) -> int:
-        holders = self._index.cpu_holders
-        if not holders:
-            return 0
-        among = set(ids)
-        return sum(len(self._index._allocs[t].cpus) for t in holders if t in among)
-
-
-def _made(key: tuple[int, str] | None) -> int:
-    """When the allocation of a (-created, id) key was made."""
-    assert key is not None  # (groups are never empty)
-    return -key[0]
-
-
-def _meets(out: Collection[str], ids: SortedKeys[str]) -> bool:
-    """Whether any of ``ids`` is in ``out``, walking the smaller of the two."""
-    if not out:
-        return False
-    if len(out) < len(ids):
-        return any(t in ids for t in out)
-    keys = out.keys() if isinstance(out, dict) else out
-    if isinstance(keys, (set, frozenset, type({}.keys()))):
-        return not all(keys.isdisjoint(block) for block in ids.blocks())
-    return any(map(out.__contains__, ids))
-
-
-def _within(ids: SortedKeys[str], of: Container[str]) -> bool:
-    """Whether every one of ``ids`` is in ``of`` (a set: a block at a time, in C)."""
-    if isinstance(of, (set, frozenset)):
-        return all(of.issuperset(block) for block in ids.blocks())
-    return all(map(of.__contains__, ids))
-
-
-def _with_none(units: Mapping[str, int]) -> dict[str | None, int]:
-    out: dict[str | None, int] = {}
-    out.update(units)
-    return out
-
-
-def _tenants(allocs: Iterable[_Alloc]) -> dict[str | None, int]:
-    out: dict[str | None, int] = {}
-    for a in allocs:
-        out[a.tenant] = out.get(a.tenant, 0) + a.total
-    return out

@@ -2,16 +2,19 @@
 
 ALLOCATE's answer, ALLOCS, a refused or expired request and the log all say the same thing from
 ``Ledger.shield`` (what shields one allocation) and ``Blocked`` (why a request found nothing to take
-back); this module only holds their shape and words. A shield that ends (a minimum runtime, the rest
-after a withdrawn notice) carries when, in the ledger's time, so a reader is told "for 240 s more",
-never "yes" while it is not so.
+back); this module holds their shape and words, and the part of the rule that the allocation's own
+terms decide (``by_terms``, ``runs_minimum``), which the ledger's index reads too: it sits below both.
+A shield that ends (a minimum runtime, the rest after a withdrawn notice) carries when, in the
+ledger's time, so a reader is told "for 240 s more", never "yes" while it is not so.
 
 Pure: no clock; ``now`` is passed in, integer microseconds.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+from gpud_client.protocol import PRODUCTION_PRIORITY, SPOT_PRIORITY
 
 NAMED = 3  # allocations named per reason (a request may be blocked by thousands)
 
@@ -38,6 +41,31 @@ UNREACHABLE = Shield("no one to tell: no client holds it and it has no owner pro
 AT_MINIMUM = Shield("on_preempt shrink, at its minimum")
 MIN_RUNTIME = "inside its minimum runtime"
 RESTING = "resting after a withdrawn notice (not chosen again so soon)"
+
+
+class Terms(Protocol):
+    """What ``by_terms`` reads of an allocation."""
+
+    @property
+    def protected(self) -> bool: ...
+    @property
+    def priority(self) -> int: ...
+
+
+def by_terms(alloc: Terms) -> Shield | None:
+    """What keeps an allocation from every request for as long as its terms stand: an admin's
+    protection, production priority (a drain is the operator's: it takes them all the same)."""
+    if alloc.protected:
+        return PROTECTED
+    if alloc.priority >= PRODUCTION_PRIORITY:
+        return PRODUCTION
+    return None
+
+
+def runs_minimum(priority: int) -> bool:
+    """Whether an allocation of ``priority`` runs its minimum runtime before a request may take it
+    back whole: all but spot, which may be taken at any time."""
+    return priority > SPOT_PRIORITY
 
 
 def seconds(us: int) -> str:

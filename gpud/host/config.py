@@ -20,6 +20,7 @@ from gpud.core.leases import DEFAULT_HOLD_MAX_MS, DEFAULT_POLICIES, DEFAULT_QUEU
 from gpud_client.protocol import (
     DEFAULT_SOCKET,
     MAX_FRAME_BYTES,
+    NORMAL_PRIORITY,
     BusyPolicy,
     FrameBytes,
     Gpus,
@@ -135,7 +136,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     outbox_limit_bytes: Annotated[int, Meta(ge=64 * 1024, le=2**31)] = 16 * 2**20
     # Priorities a non-admin may declare for its sessions, leases and allocations (lease terms
     # are also cut to their task type's policy).
-    priority_max: Priority = 50
+    priority_max: Priority = NORMAL_PRIORITY
     priority_max_uids: dict[str, Priority] = {}  # "1000" = 80: by uid
     priority_max_groups: dict[str, Priority] = {}  # "inference" = 90: by group name (the highest of the peer's)
     log_level: LogLevel = "info"

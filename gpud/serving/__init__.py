@@ -1,1 +1,2 @@
-"""The serving shell: connections, timers, the daemon that wires the capabilities, and what they share."""
+"""The serving runtime, above the capabilities: the listener, connections, timers, the monitor, and
+the daemon (``server``) that builds the kit and wires the capabilities onto it."""

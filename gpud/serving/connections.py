@@ -29,8 +29,8 @@ import structlog
 import trio
 
 from gpud.core.errors import Inconsistent, LimitReached, Refused
+from gpud.kit.state import ClientLink
 from gpud.serving.server import Daemon
-from gpud.serving.state import ClientLink
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

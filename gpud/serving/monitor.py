@@ -29,9 +29,9 @@ from gpud.core.health import GpuHealth, HealthyAgain, Probe, Unhealthy
 from gpud.core.ledger import UNIT
 from gpud.host.devices import Gpu, Reading
 from gpud.host.metrics import session_labels
-from gpud.serving.effects import Effects
+from gpud.kit.effects import Effects
+from gpud.kit.state import ClientLink
 from gpud.serving.server import Daemon
-from gpud.serving.state import ClientLink
 from gpud_client.proctl.tree import ProcessTree, read_stat
 from gpud_client.runinfo import PID as RUN_PID
 

@@ -1,11 +1,11 @@
 """The daemon: the one place its parts are built and wired.
 
-- ``links`` (``gpud.serving.links``): the connection registry and the send path;
-- ``effects`` (``gpud.serving.effects``): the one way the cores' decisions are carried out;
+- ``links`` (``gpud.kit.links``): the connection registry and the send path;
+- ``effects`` (``gpud.kit.effects``): the one way the cores' decisions are carried out;
 - one handler object per capability, each given only the pieces it needs:
   ``locks`` (locks and sessions), ``leases``, ``allocations``, ``admin``
   (scheduler settings), ``status`` (STATUS, CLIENTS), from ``gpud.capabilities``;
-- ``access`` (``gpud.serving.access``): admin rights and priority ceilings.
+- ``access`` (``gpud.kit.access``): admin rights and priority ceilings.
 
 ``handle`` answers one decoded request through a table from message type to
 handler; ``close`` frees what a connection held; ``farewell`` and ``reload``
@@ -41,12 +41,12 @@ from gpud.core.scheduler import GpuScheduler, SchedulerConfig
 from gpud.host.config import Config
 from gpud.host.devices import Gpu
 from gpud.host.metrics import Metrics, session_labels
-from gpud.serving.access import Access
-from gpud.serving.effects import Effects
-from gpud.serving.faults import Faults
-from gpud.serving.links import Links
-from gpud.serving.parts import Pieces
-from gpud.serving.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
+from gpud.kit.access import Access
+from gpud.kit.effects import Effects
+from gpud.kit.faults import Faults
+from gpud.kit.links import Links
+from gpud.kit.parts import Pieces
+from gpud.kit.state import ClientLink, Clock, GpuRefs, GpuSlot, Handler, now_us
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import trio
 
+from gpud.kit.state import GpuSlot
 from gpud.serving.server import Daemon
-from gpud.serving.state import GpuSlot
 
 
 async def run_timer(daemon: Daemon, slot: GpuSlot) -> None:

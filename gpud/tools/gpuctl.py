@@ -386,7 +386,7 @@ def cmd_alloc(args: argparse.Namespace) -> None:
         notify=False,  # gpuctl does not stay to be told: the answer says who can be (the owner)
     )
     reply: p.Allocated = _call(args, msg, timeout=args.wait_ms / 1000 + 30)
-    asked = args.on_preempt or span or priority in (p.PriorityClass.SPOT, p.PRIORITY_OF_CLASS[p.PriorityClass.SPOT])
+    asked = args.on_preempt or span or priority in (p.PriorityClass.SPOT, p.SPOT_PRIORITY)
     if asked and not reply.preemptible and not args.protected and not args.json:
         # Asked to be preemptible and is not (gpud's word, as ALLOCS says it): stdout is for eval,
         # the note goes to stderr.
@@ -557,8 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument(
         "--priority",
         type=at.priority_arg,
-        help=f"{at.bounds(p.Priority)} or {at.PRIORITY_CLASSES.replace(', ', '|')}: 100 is never preempted, "
-        "1..99 may be after preemption_min_runtime_s, 0 (spot) at any time",
+        help=f"{at.bounds(p.Priority)} or {at.PRIORITY_CLASSES.replace(', ', '|')}: {p.PRODUCTION_PRIORITY} is never "
+        f"preempted, {p.SPOT_PRIORITY + 1}..{p.PRODUCTION_PRIORITY - 1} may be after preemption_min_runtime_s, "
+        f"{p.SPOT_PRIORITY} (spot) at any time",
     )
     alloc.add_argument(
         "--on-preempt",

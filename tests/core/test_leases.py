@@ -208,4 +208,4 @@ def test_granted_leases_leave_no_pile_of_wait_deadlines_behind() -> None:
     for lease in range(2, 2000):
         s.acquire_lease(lease, lease, priority=50, max_wait_us=86_400 * 10**6, hold_max_us=10**6, queue_limit=100)
         s.release_lease(lease - 1, lease)  # the waiter is granted at once
-    assert len(s._waits) <= 2 * len(s.queue()) + 65
+    assert len(s.st.waits) <= 2 * len(s.queue()) + 65

@@ -342,7 +342,7 @@ def test_rollback_restores_exactly_the_checkpointed_state(
             led.allocate(req(t, gpus, cpus=1, wait_us=100 * MS if wait else 0, strategy=Strategy.RANDOM), 0)
         except (Insufficient, Refused):
             pass
-    before, rng = state_of(led), led._rng.getstate()
+    before, rng = state_of(led), led.state.rng.getstate()
     cp = led.checkpoint()
     try:
         if change == "release":
@@ -354,7 +354,7 @@ def test_rollback_restores_exactly_the_checkpointed_state(
     except (Insufficient, Refused):
         pass
     led.rollback(cp)
-    assert state_of(led) == before and led._rng.getstate() == rng
+    assert state_of(led) == before and led.state.rng.getstate() == rng
 
 
 def test_a_rolled_back_release_keeps_the_waiter_it_served_waiting() -> None:

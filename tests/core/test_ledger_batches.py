@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpud.core import ledger as ledger_module
+import gpud.core.ledger.notices as notices
+import gpud.core.ledger.placement as placement
 from gpud.core.ledger import (
     NOTICE_BATCH,
     UNIT,
@@ -67,7 +68,7 @@ def check(led: Ledger, effects: list[LedgerEffect]) -> None:
     served only when none of its victims holds anything, the indexes what the state says."""
     assert len(kinds(effects, Noticed)) <= NOTICE_BATCH
     assert len(kinds(effects, Withdrawn)) <= NOTICE_BATCH
-    for g in range(len(led._gpus)):
+    for g in range(len(led.state.gpus)):
         held = sum(a.share for a in led.allocations() if g in a.gpus)
         assert held + led.gpu_free(g) == UNIT and led.gpu_free(g) >= 0  # no device held twice
     for e in kinds(effects, Served):
@@ -87,7 +88,7 @@ def tell_all(led: Ledger, now: int = T0) -> list[int]:
         if not told:
             return counts
         counts.append(told)
-        assert led.next_deadline() == now or led._index.chosen == {}  # called again at once while some are left
+        assert led.next_deadline() == now or led.state.index.chosen == {}  # called again at once while some are left
 
 
 def test_a_waiter_tells_its_1000_victims_a_batch_per_call_and_is_served_once_all_left() -> None:
@@ -97,7 +98,7 @@ def test_a_waiter_tells_its_1000_victims_a_batch_per_call_and_is_served_once_all
     assert len(counts) == math.ceil(VICTIMS / NOTICE_BATCH) and sum(counts) == VICTIMS
     assert all(n == NOTICE_BATCH for n in counts[:-1])
     assert led.next_deadline() == T0 + GRACE  # nothing left to tell: the first grace's end
-    victims = led._waiting["w"].victims
+    victims = led.state.waiting["w"].victims
     assert len(victims) == VICTIMS and list(victims) == sorted(victims)
     for i, v in enumerate(sorted(victims)[:-1]):  # they leave one by one: the waiter waits for the last
         effects = led.yield_(v, T0 + 1 + i)
@@ -144,8 +145,9 @@ def test_giving_up_midway_withdraws_what_was_told_in_batches_and_tells_no_more()
         if not effects:
             break
         withdrawn |= {e.allocation.task_id for e in kinds(effects, Withdrawn)}  # type: ignore[attr-defined]
-    assert withdrawn == told and not led._notices and not led._index.chosen
-    assert {led._immune[t] - CONFIG.cooldown_us for t in told} == {T0 + 1, T0 + 2}  # each rests from its withdrawal
+    assert withdrawn == told and not led.state.notices and not led.state.index.chosen
+    rests = {led.state.immune[t] - CONFIG.cooldown_us for t in told}
+    assert rests == {T0 + 1, T0 + 2}  # each rests from its withdrawal
     assert led.next_deadline() != T0 + 2  # nothing left to do now
 
 
@@ -155,7 +157,7 @@ def test_notices_of_a_waiter_that_gave_up_are_neither_carried_out_nor_yielded() 
     led.advance(T0)
     led.advance(T0)
     led.release("w", T0 + 1)  # a batch withdrawn now, the rest still to be
-    left = sorted(led._index.told["w"])
+    left = sorted(led.state.index.told["w"])
     assert len(left) == NOTICE_BATCH
     [withdrawn] = led.yield_(left[0], T0 + 2)  # its withdrawal was not told yet: withdrawn, not carried out
     assert isinstance(withdrawn, Withdrawn) and led.get(left[0]) is not None
@@ -173,9 +175,11 @@ def test_a_new_wait_of_the_same_task_chooses_nothing_until_the_old_notices_are_w
     waiting(led, T0 + 1)  # the same task id waits again at once
     effects = led.advance(T0 + 2)
     assert not kinds(effects, Noticed) and len(kinds(effects, Withdrawn)) == NOTICE_BATCH
-    assert led._waiting["w"].victims == () and not led._waiting["w"].plan
+    assert led.state.waiting["w"].victims == () and not led.state.waiting["w"].plan
     effects = led.advance(T0 + 3)  # the old ones withdrawn: it chooses (those not resting after their withdrawal)
-    assert not led._index.told.get("w") or all(led._notices[t].issued == T0 + 3 for t in led._index.told["w"])
+    assert not led.state.index.told.get("w") or all(
+        led.state.notices[t].issued == T0 + 3 for t in led.state.index.told["w"]
+    )
     check(led, effects)
 
 
@@ -198,14 +202,14 @@ def test_a_restart_midway_waits_for_those_told_then_chooses_the_rest(batches: in
     waiting(led)
     for _ in range(batches):
         led.advance(T0)
-    told = set(led._index.told["w"])
+    told = set(led.state.index.told["w"])
     fresh = node()
     fresh.reachable = set(led.reachable)
     for rec in led.records().values():
         fresh.restore_record(rec, T0 + 5)
     fresh.mark_stored()
     check_index(fresh)
-    assert set(fresh._index.told["w"]) == told and not fresh._index.chosen  # its plan was not durable
+    assert set(fresh.state.index.told["w"]) == told and not fresh.state.index.chosen  # its plan was not durable
     effects = fresh.advance(T0 + 5)
     assert not kinds(effects, Noticed)  # it waits for those it told
     now, served = T0 + GRACE, []
@@ -228,7 +232,7 @@ def test_a_notice_whose_waiter_is_not_there_after_a_restart_is_withdrawn() -> No
         if t != "w":  # its wait was lost (set aside as unreadable, say)
             fresh.restore_record(rec, T0 + 5)
     effects = fresh.advance(T0 + 5)
-    assert len(kinds(effects, Withdrawn)) == NOTICE_BATCH and not fresh._notices
+    assert len(kinds(effects, Withdrawn)) == NOTICE_BATCH and not fresh.state.notices
 
 
 def test_a_drain_tells_in_batches_and_putting_it_back_withdraws_in_batches() -> None:
@@ -246,7 +250,7 @@ def test_a_drain_tells_in_batches_and_putting_it_back_withdraws_in_batches() -> 
         effects = led.advance(T0 + 2)
         check(led, effects)
         withdrawn += len(kinds(effects, Withdrawn))
-    assert withdrawn == VICTIMS and not led._notices and not led._undraining
+    assert withdrawn == VICTIMS and not led.state.notices and not led.state.undraining
 
 
 def test_a_drain_put_back_midway_stops_telling() -> None:
@@ -256,25 +260,25 @@ def test_a_drain_put_back_midway_stops_telling() -> None:
     led.drain(0, False, T0 + 1)
     while led.advance(T0 + 2):
         pass
-    assert not led._notices
+    assert not led.state.notices
 
 
 def test_expired_immunities_are_forgotten_in_batches_before_anyone_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ledger_module, "IMMUNITY_BATCH", 300)
+    monkeypatch.setattr(notices, "IMMUNITY_BATCH", 300)
     led = filled()
     waiting(led)
     tell_all(led)
     led.release("w", T0 + 1)
     while led.advance(T0 + 1):
         pass
-    assert len(led._immune) == VICTIMS
+    assert len(led.state.immune) == VICTIMS
     waiting(led, T0 + 2, "w2")
     later = T0 + 2 + CONFIG.cooldown_us
     for left in (700, 400, 100):
-        assert led.advance(later) == [] and len(led._immune) == left  # no plan while some are left
-        assert not led._index.chosen and led.next_deadline() == later
+        assert led.advance(later) == [] and len(led.state.immune) == left  # no plan while some are left
+        assert not led.state.index.chosen and led.next_deadline() == later
     counts = tell_all(led, later)
-    assert sum(counts) == VICTIMS and not led._immune
+    assert sum(counts) == VICTIMS and not led.state.immune
 
 
 def test_planned_victims_are_not_chosen_by_another_waiter() -> None:
@@ -287,10 +291,12 @@ def test_planned_victims_are_not_chosen_by_another_waiter() -> None:
     waiting(led, T0, "w1")
     waiting(led, T0, "w2")
     led.advance(T0)
-    plans = {t: set(w.plan) | set(w.victims) for t, w in led._waiting.items()}
+    plans = {t: set(w.plan) | set(w.victims) for t, w in led.state.waiting.items()}
     assert len(plans["w1"]) == len(plans["w2"]) == VICTIMS and not plans["w1"] & plans["w2"]
     tell_all(led)
-    assert {led._notices[t].by for t in plans["w1"]} == {"w1"} and {led._notices[t].by for t in plans["w2"]} == {"w2"}
+    assert {led.state.notices[t].by for t in plans["w1"]} == {"w1"} and {
+        led.state.notices[t].by for t in plans["w2"]
+    } == {"w2"}
 
 
 def test_a_store_failure_after_every_batch_changes_nothing() -> None:
@@ -315,9 +321,9 @@ def test_the_allocation_types_are_not_tracked_by_the_garbage_collector() -> None
     led.advance(T0)
     alloc = led.get("v0000")
     assert alloc is not None and not gc.is_tracked(alloc)
-    told = next(iter(led._notices.values()))
+    told = next(iter(led.state.notices.values()))
     assert not gc.is_tracked(told)
-    assert not any(gc.is_tracked(f) for f in led._index._facts.values())
+    assert not any(gc.is_tracked(f) for f in led.state.index._facts.values())
     assert not any(gc.is_tracked(r) for r in led.records().values())
     assert replace(CONFIG) == CONFIG  # (configs are dataclasses still)
 
@@ -334,15 +340,15 @@ def test_a_thousand_suspended_victims_wait_without_being_walked_and_resume_a_bat
     waiting(led)
     tell_all(led)
     placed = 0
-    place = Ledger._place
+    place = placement.place
 
-    def counted(self: Ledger, *args: Any, **kw: Any) -> Any:
+    def counted(*args: Any, **kw: Any) -> Any:
         nonlocal placed
         placed += 1
-        return place(self, *args, **kw)
+        return place(*args, **kw)
 
-    monkeypatch.setattr(Ledger, "_place", counted)
-    for i, v in enumerate(sorted(led._notices)):  # each yields: suspended, waiting for GPU 0 (kept for "w")
+    monkeypatch.setattr(placement, "place", counted)
+    for i, v in enumerate(sorted(led.state.notices)):  # each yields: suspended, waiting for GPU 0 (kept for "w")
         placed = 0
         effects = led.yield_(v, T0 + 1 + i)
         check(led, effects)
@@ -362,7 +368,7 @@ def test_a_thousand_suspended_victims_wait_without_being_walked_and_resume_a_bat
         assert len(kinds(effects, Served)) <= NOTICE_BATCH
         resumed += [e.allocation.task_id for e in kinds(effects, Served)]  # type: ignore[attr-defined]
     assert resumed == sorted(resumed) and len(resumed) == VICTIMS  # in the queue's order: as they yielded
-    assert led.suspended_count() == 0 and not led._serving
+    assert led.suspended_count() == 0 and not led.state.serving
 
 
 def test_a_suspended_waiter_is_served_before_a_lower_request_and_after_a_higher() -> None:
@@ -374,7 +380,7 @@ def test_a_suspended_waiter_is_served_before_a_lower_request_and_after_a_higher(
         led.reachable.add(t)
     led.allocate(Request("w", UNIT, priority=90, wait_us=1000 * S), T0)
     led.advance(T0)
-    assert set(led._notices) == {"s", "f"}
+    assert set(led.state.notices) == {"s", "f"}
     led.yield_("s", T0 + 1)  # suspended, waiting for half of GPU 0
     _, effects = led.release("f", T0 + 2)
     assert [e.allocation.task_id for e in kinds(effects, Served)] == ["w"]  # type: ignore[attr-defined]

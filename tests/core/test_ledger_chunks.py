@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpud.core.ledger.takeback as takeback
 from gpud.core import preemption
 from gpud.core.ledger import (
     NOTICE_BATCH,
@@ -94,10 +95,10 @@ def test_chunks_choose_what_candidates_one_by_one_choose(monkeypatch: pytest.Mon
                 tenant=rng.choice([None, None, "a", "b"]),
             )
             monkeypatch.setattr(preemption, "BULK", 10**9)
-            one_by_one = led._victims_for(req, now)
+            one_by_one = takeback.victims_for(led.state, req, now)
             assert not any(isinstance(v, Chunk) for v in one_by_one)
             monkeypatch.setattr(preemption, "BULK", 2)
-            chunked = led._victims_for(req, now)
+            chunked = takeback.victims_for(led.state, req, now)
             assert expanded(chunked) == one_by_one, (seed, req)
             chunked_choices += any(isinstance(v, Chunk) for v in chunked)
     assert chunked_choices > 100  # the chunks were put to the test
@@ -110,13 +111,14 @@ def test_a_whole_gpu_among_20000_is_chosen_from_counts() -> None:
         led.allocate(Request(t, 1, priority=0, owner_pid=100), i)
         led.reachable.add(t)
     assert led.allocate(Request("w", UNIT, priority=100, wait_us=100 * S), 400 * S) is None
-    reads = led._index.reads
-    [chunk] = led._victims_for(Request("w", UNIT, priority=100), 400 * S)
+    reads = led.state.index.reads
+    [chunk] = takeback.victims_for(led.state, Request("w", UNIT, priority=100), 400 * S)
     assert isinstance(chunk, Chunk) and chunk.count == 10_000 and chunk.gpu == 1  # the newest: GPU 1's
-    assert led._index.reads == reads  # not one of them made into a candidate
+    assert led.state.index.reads == reads  # not one of them made into a candidate
     effects = led.advance(400 * S)
     assert len(effects) == NOTICE_BATCH and all(isinstance(e, Noticed) and 1 in e.allocation.gpus for e in effects)
-    half = led._victims_for(Request("h", UNIT // 2, priority=100), 400 * S)  # GPU 0: the others are planned
+    # GPU 0: the others are planned
+    half = takeback.victims_for(led.state, Request("h", UNIT // 2, priority=100), 400 * S)
     assert [v.count for v in half if isinstance(v, Chunk)] == [UNIT // 2] and {
         v.gpu for v in half if isinstance(v, Chunk)
     } == {0}

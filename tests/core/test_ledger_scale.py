@@ -12,6 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpud.core.ledger.notices as notices
+import gpud.core.ledger.placement as placement
+import gpud.core.ledger.takeback as takeback
 from gpud.core.errors import Refused
 from gpud.core.ledger import (
     NEVER,
@@ -24,7 +27,6 @@ from gpud.core.ledger import (
     Request,
     TaskRecord,
     TenantQuota,
-    _one_per_task,
 )
 from gpud.core.ledger_index import as_victim
 from gpud.core.preemption import (
@@ -34,13 +36,13 @@ from gpud.core.preemption import (
     Pool,
     Room,
     Victim,
-    _Listed,
     _prefix,
     _waste_cover,
     choose,
     in_order,
     rank,
 )
+from gpud.core.victims import Listed
 from gpud_client.protocol import PreemptReason, PreemptStrategy, Recovery, Strategy
 
 from .statecheck import state_of
@@ -59,7 +61,7 @@ def node(gpus: int = 3, cpus: int = 6, strategy: PreemptStrategy = PreemptStrate
 
 
 def check_index(led: Ledger) -> None:
-    ix, allocs, waiting = led._index, dict(led._allocs), dict(led._waiting)
+    ix, allocs, waiting = led.state.index, dict(led.state.allocs), dict(led.state.waiting)
     listed = sorted([*allocs, *(t for t, w in waiting.items() if w.suspended is not None)])
     assert list(ix.listed) == listed and led.allocation_count() == len(listed)
     for tenant in {*TENANTS, *(a.tenant for a in allocs.values() if a.tenant)}:
@@ -72,19 +74,19 @@ def check_index(led: Ledger) -> None:
         if a.priority < 100 and not a.protected and a.on_preempt != Recovery.SHRINK:
             for g in a.gpus:
                 lower.setdefault(g, {}).setdefault((a.total, a.share, a.priority), []).append((-a.created_us, t))
-    indexed = {g: {p: list(keys) for p, keys in groups.items()} for g, groups in ix._lower.items() if groups}
+    indexed = {g: {p: list(keys) for p, keys in groups.items()} for g, groups in ix.lower_groups.items() if groups}
     assert indexed == {g: {p: sorted(keys) for p, keys in groups.items()} for g, groups in lower.items()}
     assert set(ix.cpu_holders) == {t for t, a in allocs.items() if a.cpus}
     assert set(ix.elastic) == {t for t, a in allocs.items() if a.gpus_max}
-    assert list(ix._notice_due) == sorted((n.deadline, t) for t, n in led._notices.items())
+    assert list(ix._notice_due) == sorted((n.deadline, t) for t, n in led.state.notices.items())
     assert list(ix._wait_due) == sorted((w.deadline, t) for t, w in waiting.items() if w.deadline < NEVER)
-    assert list(ix._immune_due) == sorted((u, t) for t, u in led._immune.items())
+    assert list(ix._immune_due) == sorted((u, t) for t, u in led.state.immune.items())
     check_gpu_index(led)
 
 
 def check_gpu_index(led: Ledger) -> None:
     """The counts per GPU, the notices by waiter and by drained GPU, the victims planned."""
-    ix, allocs = led._index, dict(led._allocs)
+    ix, allocs = led.state.index, dict(led.state.allocs)
     held: dict[int, int] = {}
     untold: dict[int, list[str]] = {}
     immune: dict[int, int] = {}
@@ -92,9 +94,9 @@ def check_gpu_index(led: Ledger) -> None:
     for t, a in allocs.items():
         for g in a.gpus:
             held[g] = held.get(g, 0) + 1
-            if t not in led._notices:
+            if t not in led.state.notices:
                 untold.setdefault(g, []).append(t)
-            if t in led._immune:
+            if t in led.state.immune:
                 immune[g] = immune.get(g, 0) + 1
             if a.tenant is not None:
                 tenants.setdefault(g, {})[a.tenant] = tenants.get(g, {}).get(a.tenant, 0) + a.share
@@ -102,25 +104,25 @@ def check_gpu_index(led: Ledger) -> None:
     assert {g: list(keys) for g, keys in ix.untold.items()} == {g: sorted(ts) for g, ts in untold.items()}
     told: dict[str, list[str]] = {}
     drained: dict[int, list[str]] = {}
-    for t, n in led._notices.items():
+    for t, n in led.state.notices.items():
         for where, key in [(drained, g) for g in n.gpus] if n.by == "drain" else [(told, n.by)]:
             where.setdefault(key, []).append(t)  # type: ignore[attr-defined]
     assert {b: list(keys) for b, keys in ix.told.items()} == {b: sorted(ts) for b, ts in told.items()}
     assert {g: list(keys) for g, keys in ix.drain_on.items()} == {g: sorted(ts) for g, ts in drained.items()}
-    assert ix.chosen == {v: t for t, w in led._waiting.items() for v in w.plan}
+    assert ix.chosen == {v: t for t, w in led.state.waiting.items() for v in w.plan}
 
 
 def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
     """Victim selection as it was before the index: one pass over every allocation, full lists."""
-    room = Room({g.spec.index: g.free for g in led._open_gpus(req)}, len(led._free_cpus))
+    room = Room({g: led.state.free[g] for g in placement.open_gpus(led.state, req)}, len(led.state.free_cpus))
     need = Need(req.gpus if not req.pinned else len(req.pinned) * min(req.gpus, UNIT), req.cpus)
     mature = now - led.preemption.min_runtime_us
     extras: list[Candidate] = []
     lower: list[Candidate] = []
-    for t, a in led._allocs.items():
+    for t, a in led.state.allocs.items():
         if a.priority >= 100 or a.protected or a.priority > req.priority:
             continue
-        if t in led._notices or t not in led.reachable or t in led._immune or t in led._index.chosen:
+        if t in led.state.notices or t not in led.reachable or t in led.state.immune or t in led.state.index.chosen:
             continue
         if a.extras:
             extras.append(as_victim(a, PreemptReason.ELASTIC, a.extras))
@@ -131,12 +133,12 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
         for tenant, quota in TENANTS.items():
             over = led.tenant_usage(tenant) - quota.gpus
             mine = sorted(
-                (a for a in led._allocs.values() if a.tenant == tenant), key=lambda a: (-a.created_us, a.task_id)
+                (a for a in led.state.allocs.values() if a.tenant == tenant), key=lambda a: (-a.created_us, a.task_id)
             )
             for a in mine if tenant != req.tenant else []:
                 if over <= 0:
                     break
-                if led._choosable(a) and a.on_preempt != Recovery.SHRINK:
+                if takeback.eligible(led.state, a) and a.on_preempt != Recovery.SHRINK:
                     reclaim.append(as_victim(a, PreemptReason.QUOTA_RECLAIM, a.gpus))
                 over -= a.total
     taken = {c.task_id for c in reclaim}
@@ -146,7 +148,7 @@ def reference_victims(led: Ledger, req: Request, now: int) -> list[Candidate]:
         Pool([c for c in lower if c.task_id not in taken], led.preemption.strategy),
     ]
 
-    return expanded(_one_per_task(choose(need, room, pools, led._tenant_fits(req))))
+    return expanded(takeback.one_per_task(choose(need, room, pools, takeback.tenant_fits(led.state, req))))
 
 
 def expanded(victims: Sequence[Victim]) -> list[Candidate]:
@@ -182,7 +184,7 @@ def step(led: Ledger, rng: random.Random, now: int, tasks: list[str]) -> None:
                 led.reachable.add(t)
         elif op < 0.58:
             led.release(t, now)
-        elif op < 0.68 and (told := sorted(led._notices)):
+        elif op < 0.68 and (told := sorted(led.state.notices)):
             led.yield_(rng.choice(told), now)
         elif op < 0.72:
             led.drain(rng.randrange(3), rng.random() < 0.5, now)
@@ -206,8 +208,8 @@ def restarted(led: Ledger, now: int) -> Ledger:
 
 def ledger_state(led: Ledger) -> object:
     """What a checkpoint saves: all but the shell's fact ``reachable`` and the utilisation readings."""
-    name, attrs = state_of(led)
-    return name, {k: v for k, v in attrs.items() if k not in ("reachable", "_busy_since", "_idle_since")}
+    name, attrs = state_of(led.state)
+    return name, {k: v for k, v in attrs.items() if k not in ("reachable", "busy_since", "idle_since")}
 
 
 def applied(stored: dict[str, TaskRecord], changed: tuple[dict[str, TaskRecord], set[str]]) -> dict[str, TaskRecord]:
@@ -261,9 +263,10 @@ def test_victims_read_from_the_index_are_those_the_full_lists_give(seed: int) ->
     for _ in range(200):
         now += rng.choice([1, S, 10 * S, 100 * S, 300 * S])
         step(led, rng, now, tasks)
-        for w in list(led._waiting.values()):
-            if w.suspended is None and not led._leaving(w):
-                assert expanded(led._victims_for(w.request, now)) == reference_victims(led, w.request, now), w.request
+        for w in list(led.state.waiting.values()):
+            if w.suspended is None and not notices.leaving(led.state, w):
+                chosen = expanded(takeback.victims_for(led.state, w.request, now))
+                assert chosen == reference_victims(led, w.request, now), w.request
                 compared += 1
     assert compared > 0
 
@@ -327,23 +330,23 @@ def full_node(n: int = 20_000) -> Ledger:
 def test_a_change_among_20000_touches_what_it_changes_and_no_more() -> None:
     led = full_node()
     cp = led.checkpoint()
-    assert led._journal.entries == 0
+    assert led.state.journal.entries == 0
     led.release("t012345", 400 * S)
-    assert led._journal.entries <= 4  # the allocation, its GPU's share, the changed set
+    assert led.state.journal.entries <= 4  # the allocation, its GPU's share, the changed set
     put, gone = led.changed_records()
     assert put == {} and gone == {"t012345"}
     led.rollback(cp)
     assert led.get("t012345") is not None and led.changed_records() == ({}, set())
-    assert led._journal.entries == 0
+    assert led.state.journal.entries == 0
 
     # A request that does not fit takes back one of 20 000: the choice reads a handful of them.
     cp = led.checkpoint()
     assert led.allocate(Request("w", 1, priority=50, wait_us=10 * S), 400 * S) is None
-    read = led._index.reads
+    read = led.state.index.reads
     [e] = led.advance(400 * S)
     assert isinstance(e, Noticed) and e.allocation.task_id == "t000000"  # lowest priority, newest, lowest id
-    assert led._index.reads - read <= 2  # allocations made into candidates: the choice read no more
-    assert led._journal.entries <= 8
+    assert led.state.index.reads - read <= 2  # allocations made into candidates: the choice read no more
+    assert led.state.journal.entries <= 8
     put, gone = led.changed_records()
     assert set(put) == {"t000000", "w"} and gone == set()
     led.rollback(cp)
@@ -449,7 +452,7 @@ def cover_as_before(short: int, on: list[Candidate], strategy: PreemptStrategy) 
 def test_groups_read_in_order_cover_as_the_sorted_list_does(
     on: list[Candidate], short: int, strategy: PreemptStrategy
 ) -> None:
-    groups = _Listed(on).on(0)
+    groups = Listed(on).on(0)
     assert list(in_order(groups, strategy)) == sorted(on, key=rank(strategy))
     if strategy == PreemptStrategy.MINIMUM_WASTE:
         assert _waste_cover(short, groups, set()) == cover_as_before(short, on, strategy)

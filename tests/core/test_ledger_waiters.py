@@ -12,39 +12,57 @@ from typing import Any
 
 import pytest
 
-from gpud.core.ledger import Insufficient, Ledger, LedgerEffect, Request, Served
+import gpud.core.ledger.notices as notices
+import gpud.core.ledger.placement as placement
+import gpud.core.ledger.takeback as takeback
+import gpud.core.ledger.waits as waits
+from gpud.core.ledger import Insufficient, Ledger, LedgerEffect, LedgerState, Request, Served
+from gpud.core.ledger_index import Queued
 from gpud_client.protocol import Recovery
 
 from . import test_ledger_scale as scale
 from .test_ledger_scale import S, ledger_state, node, random_request, step
 
 
-def serve_walking_all(self: Ledger, now: int) -> list[LedgerEffect]:
-    """``_serve`` as it was: every waiter tried, in queue order (no batch: the sequences are small)."""
+def serve_walking_all(st: LedgerState, now: int) -> list[LedgerEffect]:
+    """``waits.serve`` as it was: every waiter tried, in queue order (no batch: the sequences are small)."""
     effects: list[LedgerEffect] = []
-    for _, _, task_id in sorted([*self._waiters, *self._index.parked_order]):
-        w = self._waiting.get(task_id)
+    for _, _, task_id in sorted([*st.waiters, *st.index.parked_order]):
+        w = st.waiting.get(task_id)
         if w is None:
             continue
         try:
-            alloc = self._place(w.request, now, w.suspended)
+            alloc = placement.place(st, w.request, now, w.suspended)
         except Insufficient as short:
-            self._why[task_id] = short
+            st.why[task_id] = short
             continue
-        del self._waiting[task_id]
-        del self._why[task_id]
+        del st.waiting[task_id]
+        del st.why[task_id]
         if w.suspended is None:
-            self._waiters = [x for x in self._waiters if x[2] != task_id]
+            st.waiters = [x for x in st.waiters if x[2] != task_id]
         effects.append(Served(alloc, resumed=w.suspended is not None))
-        effects += self._withdraw_for(w, now)
+        effects += notices.withdraw_for(st, w, now)
     return effects
+
+
+def walk_all(led: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``led`` serves and chooses as a walk over every waiter would (any other ledger as it does)."""
+    serve, parked_planning = waits.serve, takeback.parked_planning
+
+    def serving(st: LedgerState, now: int) -> list[LedgerEffect]:
+        return serve_walking_all(st, now) if st is led.state else serve(st, now)
+
+    def planning(st: LedgerState, choose: bool) -> set[Queued]:
+        return set(st.index.parked_order) if st is led.state else parked_planning(st, choose)
+
+    monkeypatch.setattr(waits, "serve", serving)
+    monkeypatch.setattr(takeback, "parked_planning", planning)
 
 
 def state(led: Ledger) -> Any:
     """The ledger's state but why the suspended ones wait (not read when they cannot fit)."""
     name, attrs = ledger_state(led)  # type: ignore[misc]
-    attrs = {k: v for k, v in attrs.items() if k not in ("_serve", "_parked_planning")}  # (the walking one's)
-    attrs["_why"] = {t: why for t, why in attrs["_why"].items() if led._waiting[t].suspended is None}
+    attrs["why"] = {t: why for t, why in attrs["why"].items() if led.state.waiting[t].suspended is None}
     return name, attrs
 
 
@@ -63,8 +81,7 @@ def test_serving_and_choosing_read_the_waiters_that_may_fit_as_a_walk_over_all_w
     rng = random.Random(9000 + seed)
     strategy = rng.choice(list(scale.PreemptStrategy))
     fast, walking = node(strategy=strategy), node(strategy=strategy)
-    walking._serve = serve_walking_all.__get__(walking)  # type: ignore[method-assign]
-    walking._parked_planning = lambda choose: set(walking._index.parked_order)  # type: ignore[method-assign]
+    walk_all(walking, monkeypatch)
     tasks = [f"t{i}" for i in range(9)]
     now = 0
     for _ in range(250):

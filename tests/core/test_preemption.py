@@ -73,9 +73,9 @@ def held_once(led: Checked) -> None:
     assert len(used) == len(set(used)) and set(used).isdisjoint(led.cpus_free())
     assert len(used) + len(led.cpus_free()) == led.cpu_count
     assert not {a.task_id for a in led.suspended()} & allocs.keys(), "a suspended allocation holds devices"
-    for tenant, quota in led._tenants.items():
+    for tenant, quota in led.state.tenants.items():
         assert led.tenant_usage(tenant) <= quota.gpus + quota.borrow, tenant
-    for t, n in led._notices.items():
+    for t, n in led.state.notices.items():
         assert t in allocs and set(n.gpus) <= set(allocs[t].gpus), n
         assert n.gpus == allocs[t].gpus if n.whole else n.gpus, n
 
@@ -87,7 +87,7 @@ def told_rightly(led: Checked, e: Noticed, now: int) -> None:
     assert a.task_id in led.reachable and n.issued == now and n.deadline == now + led.preemption.grace_us, e
     if n.reason == PreemptReason.DRAIN:
         return
-    waiter = led._waiting[n.by].request
+    waiter = led.state.waiting[n.by].request
     assert not a.protected and a.priority < 100, e
     if n.reason == PreemptReason.PRIORITY:
         assert a.priority < waiter.priority and a.on_preempt != Recovery.SHRINK, e
@@ -295,7 +295,7 @@ def test_a_gang_gets_all_its_gpus_or_takes_no_one(strategy: PreemptStrategy) -> 
     hold(led, "spot", 1, 0, priority=0)
     hold(led, "low", 1, 0, priority=10)
     wait(led, "gang3", 3, MATURE, priority=50)  # the production GPU cannot be had: no one is told
-    assert led.advance(MATURE) == [] and led._notices == {}
+    assert led.advance(MATURE) == [] and led.state.notices == {}
     led.release("gang3", MATURE + 1)
     wait(led, "gang2", 2, MATURE + 2, priority=50)
     assert set(noticed(led.advance(MATURE + 2))) == {"spot", "low"}
@@ -955,7 +955,7 @@ def test_random_sequences_never_hold_a_device_twice(seed: int) -> None:
                     led.reachable.add(t)
             elif op < 0.6:
                 led.release(t, now)
-            elif op < 0.72 and (told := sorted(led._notices)):
+            elif op < 0.72 and (told := sorted(led.state.notices)):
                 led.yield_(rng.choice(told), now)
             elif op < 0.75:
                 led.drain(rng.randrange(3), rng.random() < 0.5, now)
@@ -972,7 +972,7 @@ def test_random_sequences_never_hold_a_device_twice(seed: int) -> None:
     for _ in range(5):
         now += GRACE + 100 * S + 1
         led.advance(now)
-    assert led.waiting() == [] and all(n.deadline > now for n in led._notices.values())
+    assert led.waiting() == [] and all(n.deadline > now for n in led.state.notices.values())
 
 
 # --- found while writing these tests ---------------------------------------------------------------

@@ -582,8 +582,8 @@ def test_gpud_counts_a_runs_program_tree_only_for_its_own_grandchild() -> None:
     own process (run, keeper, program), so a client cannot count another process's memory."""
     import trio
 
+    from gpud.kit.state import ClientLink
     from gpud.serving.monitor import process_memory
-    from gpud.serving.state import ClientLink
     from gpud_client.proctl.keeper import Keeper
 
     keeper = Keeper.start([sys.executable, "-c", "import signal; signal.pause()"])

@@ -23,7 +23,7 @@ import trio
 from gpud.core.errors import LimitReached, Refused
 from gpud.host.config import Config
 from gpud.host.metrics import Metrics
-from gpud.serving.state import ClientLink, Clock
+from gpud.kit.state import ClientLink, Clock
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)

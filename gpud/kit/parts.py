@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpud.host.metrics import Metrics
-from gpud.serving.access import Access
-from gpud.serving.effects import Effects
-from gpud.serving.links import Links
-from gpud.serving.state import GpuRefs, GpuSlot, Handler
+from gpud.kit.access import Access
+from gpud.kit.effects import Effects
+from gpud.kit.links import Links
+from gpud.kit.state import GpuRefs, GpuSlot, Handler
 
 
 @dataclass(frozen=True, slots=True)

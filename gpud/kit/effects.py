@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable
 from typing import Any
 
-from gpud.serving.faults import Faults
-from gpud.serving.state import GpuSlot
+from gpud.kit.faults import Faults
+from gpud.kit.state import GpuSlot
 
 Handler = Callable[[Any, int], None]  # (effect, now)
 

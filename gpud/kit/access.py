@@ -16,7 +16,7 @@ from gpud.core.authority import PriorityRules, check_priority, lease_priority, p
 from gpud.core.errors import Refused
 from gpud.core.leases import LeasePolicy
 from gpud.host.config import Config
-from gpud.serving.state import ClientLink
+from gpud.kit.state import ClientLink
 from gpud_client import protocol as p
 
 log = structlog.get_logger(__name__)
