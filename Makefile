@@ -57,11 +57,15 @@ demo: $(BASE)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
 
-# Lint and layout (ruff, rules in pyproject.toml) and types (mypy --strict on gpud and gpud_client), outside pytest.
-check: $(STAMP)
+# Lint and layout (ruff, rules in pyproject.toml) and types (mypy --strict on gpud, gpud_client, install
+# and bench), outside pytest. It needs ruff and mypy but not Ray or Airflow: on a base install it adds
+# the test tools alone.
+check: $(BASE)
+	@[ -x $(VENV)/bin/ruff ] && [ -x $(VENV)/bin/mypy ] || $(PIP_QUIET) -e '.[test]'
 	$(VENV)/bin/ruff check gpud client bench tests examples install
 	$(VENV)/bin/ruff format --check gpud client bench tests examples install
 	$(VENV)/bin/python -m mypy
+	$(VENV)/bin/python client/tools/unasync.py --check
 
 # The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
 test-fast: $(STAMP)

@@ -36,7 +36,7 @@ It reports honestly: the first WARMUP handoffs are the only samples left out,
 the targets are printed beside the figures, and it exits 0 whether or not
 they are met. The test tests/integration/test_abuse.py reuses ``run_scenario``.
 
-    .venv/bin/python bench/abuse.py [--json] [--seconds N]
+    .venv/bin/python bench/abuse.py [--json] [--seconds N] [--settle N]
 """
 
 from __future__ import annotations
@@ -1082,10 +1082,13 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, bool]:
     ap = argparse.ArgumentParser(description="gpud under abuse: good clients' latency and errors, daemon health.")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--seconds", type=float, default=Plan.abuse_s, help="length of the quiet and the abuse phase")
+    ap.add_argument(
+        "--settle", type=float, default=Plan.settle_s, help=f"length of the phase after ({SETTLE_S:g}: one reap pass)"
+    )
     args = ap.parse_args(argv)
-    if args.seconds <= 0:
-        ap.error("--seconds must be > 0")
-    return Plan(quiet_s=args.seconds, abuse_s=args.seconds), args.json
+    if args.seconds <= 0 or args.settle <= 0:
+        ap.error("--seconds and --settle must be > 0")
+    return Plan(quiet_s=args.seconds, abuse_s=args.seconds, settle_s=args.settle), args.json
 
 
 def _complain(seen: Observed, log_text: str) -> None:

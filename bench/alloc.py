@@ -101,13 +101,13 @@ def run(sync: str, clients: int, seconds: float, warmup: float) -> dict[str, obj
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object, last")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time per run (default 10)")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     this_run = Run()  # the load before the run, not after it
     progress(f"state_sync=normal: {args.clients} clients x {args.seconds:g}s")
     normal = run("normal", args.clients, args.seconds, args.warmup)

@@ -58,7 +58,7 @@ figures, and both modes are reported whichever is worse. It never touches a
 real GPU or a system daemon: it starts its own on temporary sockets.
 
     .venv/bin/python bench/arbiter_mix.py [--json] [--seconds S] [--seed N]
-        [--repair-procs N] [--quick]
+        [--repair-procs N] [--quick] [--cycle-seconds S]
 """
 
 from __future__ import annotations
@@ -444,12 +444,19 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     ap.add_argument("--seed", type=int, default=BenchConfig.seed, help="seeds arrivals and hold times")
     ap.add_argument("--repair-procs", type=int, default=BenchConfig.repair_procs, help="repair flood processes")
     ap.add_argument("--quick", action="store_true", help="short phases: a smoke run, not figures")
+    ap.add_argument(
+        "--cycle-seconds",
+        type=float,
+        help=f"length of each lease-cycles run ({BenchConfig.cycle_seconds:g}; 1.5 quick)",
+    )
     args = ap.parse_args(argv)
     cfg = BenchConfig(seconds=args.seconds, seed=args.seed, repair_procs=args.repair_procs)
     if args.quick:
         cfg = replace(cfg, seconds=min(cfg.seconds, 4.0), warmup=0.5, cycle_seconds=1.5)
-    if cfg.seconds <= cfg.warmup or cfg.repair_procs < 1:
-        ap.error(f"--seconds must exceed the {cfg.warmup:g} s warm-up and --repair-procs be >= 1")
+    if args.cycle_seconds is not None:
+        cfg = replace(cfg, cycle_seconds=args.cycle_seconds)
+    if cfg.seconds <= cfg.warmup or cfg.repair_procs < 1 or cfg.cycle_seconds <= 0:
+        ap.error(f"--seconds must exceed the {cfg.warmup:g} s warm-up, --repair-procs be >= 1 and --cycle-seconds > 0")
     return cfg, args.json
 
 

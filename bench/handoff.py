@@ -364,6 +364,8 @@ def handoff_figures(ctx: Any, path: str, cfg: BenchConfig, *, clients: int, roun
 
 
 def _percentiles(prefix: str, samples: list[float]) -> dict[str, float]:
+    if not samples:  # every gap was idle: one client ran all its cycles before the other asked
+        raise MeasurementError(f"no {prefix} sample: the lock was never handed over; run more --rounds")
     return {f"{prefix}_us_p50": percentile(samples, 50), f"{prefix}_us_p99": percentile(samples, 99)}
 
 
@@ -655,7 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, as_json = parse_args(argv)
     run = Run()
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gpud_client.connection"])
+    # Each worker runs this script again before its target (multiprocessing does so with the main
+    # module): with its imports preloaded, that costs a worker the script's own lines, not gpud's imports.
+    ctx.set_forkserver_preload(["gpud_client.connection", "gpud.tools.spawn", "floor"])
     daemon = DaemonProcess("--simulate", "1", "--log-level", "warning").start()
     workdir = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # short: socket paths are limited to ~108 bytes
     relays: list[Any] = []
@@ -666,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         assert daemon.proc is not None
         figures = measure(ctx, Server(daemon.socket, daemon.proc.pid), floor, trio_floor, cfg)
         complaints = daemon.log().strip()
+    except MeasurementError as exc:
+        progress(f"measurement invalid: {exc}")
+        return 1
     finally:
         daemon.cleanup()
         for proc in relays:

@@ -134,10 +134,18 @@ def measure(n: int, runs: int) -> dict[str, float]:
         led.allocate(node.fraction(victim), 0)
         store(node)
 
-    out["shell release"] = timed(runs, none, shell_release, lambda _: (again(_), store(node)))
+    def again_stored(_: Any) -> None:
+        again(_)
+        store(node)
+
+    def refree_stored(_: Any) -> None:
+        refree(_)
+        store(node)
+
+    out["shell release"] = timed(runs, none, shell_release, again_stored)
     led.release(victim, NOW)
     store(node)
-    out["shell allocate"] = timed(runs, none, shell_allocate, lambda _: (refree(_), store(node)))
+    out["shell allocate"] = timed(runs, none, shell_allocate, refree_stored)
     led.allocate(node.fraction(victim), 0)
     store(node)
     out["checkpoint"] = timed(runs, none, lambda _: led.checkpoint(), skip)
@@ -200,7 +208,8 @@ def measure(n: int, runs: int) -> dict[str, float]:
     if hasattr(led, "shield"):  # (the key is kept: an older ledger answered not_preemptible)
         out["not_preemptible"] = timed(runs, none, lambda _: led.shield(alloc, 0), skip)
     else:
-        out["not_preemptible"] = timed(runs, none, lambda _: led.not_preemptible(alloc), skip)
+        older: Any = led
+        out["not_preemptible"] = timed(runs, none, lambda _: older.not_preemptible(alloc), skip)
     out["waiting"] = timed(runs, none, lambda _: led.waiting(), skip)
     if hasattr(led, "allocations_page"):
         middle = f"t{n // 2:06d}"  # 4 after it at either size: the same output, read from the middle
@@ -211,12 +220,12 @@ def measure(n: int, runs: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object, last")
     ap.add_argument("--sizes", default="10,20000", help="the two numbers of allocations, small first")
     ap.add_argument("--runs", type=int, default=101, help="runs per operation (the median is reported)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     small, large = (int(x) for x in args.sizes.split(","))
     run = Run()
     figures = {}
@@ -231,12 +240,13 @@ def main() -> None:
     result = {"sizes": [small, large], "runs": args.runs, "ops": ops, "machine": run.machine()}
     if args.json:
         print(json.dumps(result))
-        return
+        return 0
     print(f"{'operation':<46} {'µs at ' + str(small):>12} {'µs at ' + str(large):>14} {'ratio':>7}")
     for op, row in ops.items():
         print(f"{op:<46} {row[f'us_at_{small}']:>12.1f} {row[f'us_at_{large}']:>14.1f} {row['ratio']:>7.1f}")
     print(f"(median of {args.runs} runs each; {result['machine']})", file=sys.stdout)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

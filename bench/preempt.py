@@ -390,10 +390,10 @@ def table(result: dict[str, Any]) -> str:
         rows: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
         for cell in plan["cells"]:
             rows.setdefault((cell["layout"], cell["gpus"], cell["need_gpus"]), []).append(cell)
-        for (layout, gpus, need), cells in rows.items():
+        for (layout, gpus, need), row in rows.items():
             shown = [
                 f"{x['advance_us']['p50']:.0f} / {x['advance_us']['p95']:.0f} ({x['victims']}v) {_met(x['met'])}"
-                for x in cells
+                for x in row
             ]
             lines.append(f"{layout:<9}{gpus:>5}{need:>6g}  " + "".join(f"{s:<26}" for s in shown))
     sus = result["suspend"]

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ def run_suspend(*, cycles: int, grace_s: float, run_s: float, hold_s: float, eve
                 freed = time.monotonic_ns()
                 prod.release_allocation("production")
                 times.append({"t0": t0, "t1": t1, "freed": freed})
-                eventually(lambda after=freed: _resumed_and_ran(trace, record, after), "the program's resume")
+                eventually(partial(_resumed_and_ran, trace, record, freed), "the program's resume")
         run.send_signal(signal.SIGTERM)
         run.wait(10)
         return {

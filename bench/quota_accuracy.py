@@ -352,11 +352,11 @@ def relative_to_baseline(scenarios: list[dict[str, Any]], alone: float) -> None:
     (their "achieved" is 1 / slowdown against an unlimited run): the share of the whole GPU's
     throughput the session got. Per-kernel overhead is in both runs, so it cancels."""
     for e in scenarios:
-        if e["mode"] == "serial":
+        if e["mode"] == "serial" and alone > 0:
             share = 100 * e["achieved"] / alone
             e["share_of_alone"] = _pct(share)
             e["error_vs_alone_pp"] = _pct(share - e["target"])
-            e["slowdown_vs_alone"] = round(alone / e["achieved"], 3)
+            e["slowdown_vs_alone"] = round(alone / e["achieved"], 3) if e["achieved"] > 0 else None
 
 
 # --- limit update ------------------------------------------------------------------
@@ -511,10 +511,12 @@ def table(result: dict[str, Any]) -> str:
     for e in result["scenarios"]:
         ref = f"{e['reference_achieved']:.1f} % ({e['reference_slowdown']:.2f}x)" if e["reference_achieved"] else ""
         alone = f"{e['share_of_alone']:.2f} %" if "share_of_alone" in e else "-"
+        slowdown = e.get("slowdown_vs_alone", e["slowdown"])  # None: the session got no GPU time at all
         lines.append(
             f"{e['name']:<20}{e['target']:>6.1f} %{e['achieved']:>8.2f} %{e['error_pp']:>+7.2f} pp"
-            f"{e['tolerance_pp']:>6.1f}{e['gaps_in_holds_pp']:>7.2f}{e.get('slowdown_vs_alone', e['slowdown']):>9.2f}x"
-            f"{alone:>10}  {ref:<16} "
+            f"{e['tolerance_pp']:>6.1f}{e['gaps_in_holds_pp']:>7.2f}"
+            + (f"{slowdown:>9.2f}x" if slowdown is not None else f"{'-':>10}")
+            + f"{alone:>10}  {ref:<16} "
             f"{'yes' if e['met'] else 'NO'}"
         )
         if "unlimited_beside_achieved" in e:
@@ -599,9 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     for index, name in enumerate(SCENARIOS):  # the index seeds the kernels: the same whatever --only says
         if name not in chosen:
             continue
-        run = run_scenario(ctx, SCENARIOS[name], cfg, index)
-        runs.append(run)
-        result["scenarios"] += entries(run, SCENARIOS[name])
+        measured = run_scenario(ctx, SCENARIOS[name], cfg, index)
+        runs.append(measured)
+        result["scenarios"] += entries(measured, SCENARIOS[name])
     base = next((r for r in runs if r["name"] == BASELINE), None)
     if base is not None:
         relative_to_baseline(result["scenarios"], base["sessions"][0]["achieved"])
@@ -610,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         lu = run_limit_update(ctx, cfg)
         result["limit_update_ms"] = lu["max_ms"]
         result["limit_update"] = lu
-    for run in runs:
-        for s in run["sessions"]:
+    for measured in runs:
+        for s in measured["sessions"]:
             s.pop("gpu_ns")
     result |= {
         "runs": runs,

@@ -76,7 +76,8 @@ temporary sockets and removes them.
         [--placement one-cpu|two-cpus|free] [--only sessions|allocs] [--allocs N] [--quick]
 
 ``--quick`` shrinks every default (sizes 10,100, 200 cycles, 100 queued leases, 200 allocations,
-LIST_S 0.5 s) for a run of seconds that shows the benchmark works, not a figure to quote.
+LIST_S 0.5 s, IDLE_S 0.5 s, TURNS_S 1 s) for a run of seconds that shows the benchmark works, not a
+figure to quote.
 """
 
 from __future__ import annotations
@@ -113,7 +114,16 @@ DAY_MS = 86_400_000  # the protocol's largest max_wait_ms and hold_max_ms
 GROWTH_TARGET = 1.2
 DAEMON_ARGS = ("--simulate", str(GPUS), "--mode", "serial", "--log-level", "warning")
 PHASES = ("sessions", "allocs")  # idle sessions and queued leases (the cycles); allocations
-QUICK = {"sizes": "10,100", "cycles": 200, "warmup": 20, "queued": 100, "allocs": 200, "list_s": 0.5}
+QUICK = {
+    "sizes": "10,100",
+    "cycles": 200,
+    "warmup": 20,
+    "queued": 100,
+    "allocs": 200,
+    "list_s": 0.5,
+    "idle_s": 0.5,
+    "turns_s": 1.0,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +134,8 @@ class BenchConfig:
     queued: int = 10_000
     placement: str = "one-cpu"  # see ``placement_cpus``
     phases: tuple[str, ...] = PHASES
+    idle_s: float = IDLE_S
+    turns_s: float = TURNS_S
     allocs: AllocsConfig = AllocsConfig()
 
 
@@ -291,6 +303,7 @@ class Node:
 
     def __init__(self, cfg: BenchConfig, name: str, cpus: set[int] | None) -> None:
         self.name = name
+        self.idle_s = cfg.idle_s
         self.daemon = DaemonProcess(*DAEMON_ARGS)
         config = os.path.join(self.daemon.workdir, "gpud.toml")
         with open(config, "w") as f:
@@ -348,8 +361,8 @@ class Node:
 
     def idle_cpu_percent(self) -> float:
         before = cpu_seconds(self.pid)
-        time.sleep(IDLE_S)
-        return (cpu_seconds(self.pid) - before) / IDLE_S * 100
+        time.sleep(self.idle_s)
+        return (cpu_seconds(self.pid) - before) / self.idle_s * 100
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
@@ -417,8 +430,8 @@ def alone(node: Node, others: list[Node]) -> dict[str, float]:
             other.resume()
 
 
-def turns(node: Node, others: list[Node]) -> dict[str, float | None]:
-    """Lock cycles on ``node`` alone for TURNS_S (the others stopped, it never is): the longest
+def turns(node: Node, others: list[Node], seconds: float) -> dict[str, float | None]:
+    """Lock cycles on ``node`` alone for ``seconds`` (the others stopped, it never is): the longest
     cycle, the longest event-loop turn the daemon logged meanwhile and how many were slow."""
     try:
         for other in others:
@@ -426,7 +439,7 @@ def turns(node: Node, others: list[Node]) -> dict[str, float | None]:
         node.resume()
         offset = node.log_size()
         samples: list[float] = []
-        ends = time.monotonic() + TURNS_S
+        ends = time.monotonic() + seconds
         while time.monotonic() < ends:
             samples.extend(node.run("lock", BLOCK))
         slow = slow_turns(node.log_since(offset))
@@ -447,7 +460,7 @@ def sizes_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict[
     subject = Node(cfg, "subject", cpus)
     try:
         rss_before = subject.rss()
-        by_size: dict[str, dict[str, float]] = {}
+        by_size: dict[str, dict[str, float | None]] = {}
         beside: dict[str, dict[str, float]] = {}
         for n in cfg.sizes:
             progress(f"sizes: attaching idle sessions on GPU 0 up to {n}")
@@ -456,16 +469,18 @@ def sizes_phase(control: Node, cfg: BenchConfig, cpus: set[int] | None) -> dict[
                 f"sizes: {n} idle sessions: {cfg.cycles} lock, then lease cycles, in blocks of {BLOCK} "
                 f"alternating with the control ({cfg.sizes[0]} idle sessions)"
             )
-            beside[str(n)], by_size[str(n)] = side_by_side((control, subject), cfg)
-            by_size[str(n)] |= alone(subject, [control]) | {
+            beside[str(n)], paired = side_by_side((control, subject), cfg)
+            by_size[str(n)] = {
+                **paired,
+                **alone(subject, [control]),
                 "rss_mb": subject.rss() / 2**20,
                 "attach_us_per_session": attach_s * 1e6,
             }
             progress(
-                f"sizes: {n} idle sessions: lock cycles on the subject alone for {TURNS_S} s, its loop turns "
+                f"sizes: {n} idle sessions: lock cycles on the subject alone for {cfg.turns_s:g} s, its loop turns "
                 f"over {SLOW_TURN_MS} ms logged"
             )
-            by_size[str(n)] |= turns(subject, [control])
+            by_size[str(n)] |= turns(subject, [control], cfg.turns_s)
         rss_after = subject.rss()
     finally:
         subject.close()
@@ -570,7 +585,7 @@ def report(sizes: dict[str, Any], queued: dict[str, Any], cfg: BenchConfig, mach
         "warmup": cfg.warmup,
         "block": BLOCK,
         "slow_turn_ms": SLOW_TURN_MS,
-        "turns_s": TURNS_S,
+        "turns_s": cfg.turns_s,
         "per_connection": PER_CONNECTION,
         "daemon": {"args": list(DAEMON_ARGS), "config": daemon_toml(per_connection=PER_CONNECTION, queued=q)},
         "targets": targets,
@@ -676,6 +691,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
     d: dict[str, Any] = (
         {"sizes": ",".join(map(str, BenchConfig.sizes)), "cycles": BenchConfig.cycles, "warmup": BenchConfig.warmup}
         | {"queued": BenchConfig.queued, "allocs": AllocsConfig.allocs, "list_s": AllocsConfig.list_s}
+        | {"idle_s": IDLE_S, "turns_s": TURNS_S}
         | (QUICK if args.quick else {})
         | given
     )
@@ -696,6 +712,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool]:
         placement=args.placement,
         phases=PHASES if args.only is None else (args.only,),
         allocs=AllocsConfig(allocs=d["allocs"], list_s=d["list_s"]),
+        idle_s=d["idle_s"],
+        turns_s=d["turns_s"],
     )
     return cfg, args.json
 

@@ -20,8 +20,9 @@ TIERS = {
     "integration": "integration",
     "test_daemon_sim.py": "sim",
     "test_fuzz_handling.py": "sim",  # long seeded or generated runs
-    "test_demo.py": "integration",
-}  # the demo's own daemon and client processes
+    "test_demo.py": "integration",  # the demo's own daemon and client processes
+    "test_bench_mains.py": "integration",  # every benchmark's quick run: real daemons and clients
+}
 # Files whose tests run on one worker together when the suite runs in parallel (make test):
 # each starts Ray clusters, and two at once would only slow each other down.
 TOGETHER = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_ray_pause.py": "ray", "test_ray_preempt.py": "ray"}
