@@ -19,7 +19,7 @@ import pytest
 from gpud.core.shields import UNREACHABLE as UNREACHABLE_SHIELD
 from gpud.tools import gpuctl as gpuctl_module
 from gpud.tools.allocview import render_allocs
-from gpud.tools.gpuctl import render_status
+from gpud.tools.nodeview import render_status
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import protocol as p
 

@@ -416,7 +416,7 @@ def test_whole_gpus_are_exclusive_and_never_paused(
 
 
 def test_gpuctl_clients_shows_a_run_as_a_run(daemon_factory: Callable[..., DaemonProcess], runs: Runs) -> None:
-    from gpud.tools.gpuctl import render_clients
+    from gpud.tools.nodeview import render_clients
     from gpud.tools.top import frame
 
     d = daemon_factory("--simulate", "1", "--mode", "serial", "--tq", "30")
