@@ -29,9 +29,10 @@ else
 INSTALL_PYTHON = $(PYTHON)
 endif
 # What the two builds read: each project's metadata and packages, the README that
-# gpud's metadata names, and the licence files setuptools picks up by name.
+# gpud's metadata names, the client's build step and the generator it runs (client/setup.py,
+# client/tools), and the licence files setuptools picks up by name.
 LICENCES = LICEN[CS]E* COPYING* NOTICE* AUTHORS*
-BUILD_SOURCES = pyproject.toml README.md gpud client/pyproject.toml client/gpud_client \
+BUILD_SOURCES = pyproject.toml README.md gpud client/pyproject.toml client/setup.py client/tools client/gpud_client \
 	$(wildcard $(LICENCES) $(addprefix client/,$(LICENCES)))
 # Local pip config may say more; only the version nag is turned off.
 PIP = PIP_DISABLE_PIP_VERSION_CHECK=1 '$(VENVDIR)/bin/python' -m pip
@@ -50,17 +51,25 @@ $(STAMP): $(BASE)
 	$(PIP_QUIET) -e './client[ray,airflow]' -e '.[test]'
 	touch $(STAMP)
 
-demo: $(BASE)
+# The sync client is generated from the asyncio one and ignored by git (client/tools/unasync.py).
+# Installing the client writes it (client/setup.py); this keeps it current while aio.py changes,
+# without reinstalling. The generator leaves a current file as it is, so touch it.
+SYNC_CLIENT := client/gpud_client/client.py
+$(SYNC_CLIENT): client/gpud_client/aio.py client/tools/unasync.py
+	$(PYTHON) client/tools/unasync.py
+	touch $@
+
+demo: $(BASE) $(SYNC_CLIENT)
 	$(VENV)/bin/python -m gpud.tools.demo
 
 # Two workers: a test file (and Ray's two files) stays on one; see docs/layout.md.
-test: $(STAMP)
+test: $(STAMP) $(SYNC_CLIENT)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
 
 # Lint and layout (ruff, rules in pyproject.toml) and types (mypy --strict on gpud, gpud_client, install
 # and bench), outside pytest. It needs ruff and mypy but not Ray or Airflow: on a base install it adds
 # the test tools alone.
-check: $(BASE)
+check: $(BASE) $(SYNC_CLIENT)
 	@[ -x $(VENV)/bin/ruff ] && [ -x $(VENV)/bin/mypy ] || $(PIP_QUIET) -e '.[test]'
 	$(VENV)/bin/ruff check gpud client bench tests examples install
 	$(VENV)/bin/ruff format --check gpud client bench tests examples install
@@ -68,10 +77,10 @@ check: $(BASE)
 	$(VENV)/bin/python client/tools/unasync.py --check
 
 # The rules and the in-process tests only (markers in pyproject.toml): a quick check while working.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(SYNC_CLIENT)
 	$(VENV)/bin/python -m pytest -q -m "core or inprocess"
 
-bench: $(STAMP)
+bench: $(STAMP) $(SYNC_CLIENT)
 	$(VENV)/bin/python bench/handoff.py
 
 clean:

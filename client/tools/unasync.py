@@ -12,10 +12,14 @@ over ``_base.py``. The rules, line by line, on code, docstrings and comments ali
 - the lines after ``# unasync: sync``, up to ``# unasync: end``, are the sync client's, written as
   comments: each is put in without its ``# `` (and left as it is).
 
-Text in, text out: it imports and runs nothing it reads. ``--check`` writes nothing and exits 1,
-naming each generated file that is not what its source gives (``make check`` runs it). It lives
-beside the package, not in it: ``pip install`` of the client gets the generated file, checked in,
-and no build step.
+Text in, text out: it imports and runs nothing it reads, and needs nothing but the standard library.
+The generated file is a build product that git ignores, made afresh wherever the client is built:
+the client's build (``client/setup.py``) runs ``generate`` before anything else, so an editable
+install, a wheel and an sdist all carry the file that ``aio.py`` gives, and ``make``'s ``demo``,
+``test`` and ``check`` run this script whenever ``aio.py`` or the script is newer than the file.
+``--check`` writes nothing and exits 1, naming each generated file that is missing or not what its
+source gives (``make check`` runs it). It lives beside the package, not in it: the build reads it,
+the installed client does not.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ MARKS = {
 def header(source: str) -> str:
     return (
         f"# Generated from {source} by client/tools/unasync.py: do not edit. Change {source}, then run\n"
-        "# `python client/tools/unasync.py` (`make check` fails while this file is not what it gives).\n"
+        "# `python client/tools/unasync.py` (git ignores this file; building the client makes it afresh).\n"
     )
 
 
@@ -87,24 +91,46 @@ def unasync(text: str, source: str) -> str:
     return header(source) + "".join(out)
 
 
-def main(argv: list[str] | None = None, package: Path = PACKAGE) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale file")
-    check = parser.parse_args(argv).check
-    stale = []
+def stale(package: Path = PACKAGE) -> dict[Path, str]:
+    """Each generated file in ``package`` that is missing or not what its source gives: its text as it should be."""
+    out: dict[Path, str] = {}
     for target, source in GENERATED.items():
         want = unasync((package / source).read_text(), source)
         path = package / target
-        if path.exists() and path.read_text() == want:
-            continue
-        if check:
-            stale.append(os.path.relpath(path))
-        else:
-            path.write_text(want)
+        if not (path.exists() and path.read_text() == want):
+            out[path] = want
+    return out
+
+
+def generate(package: Path = PACKAGE) -> list[Path]:
+    """Write each generated file in ``package`` that is missing or stale; the files written. A file that is
+    current is left as it is, its time too. Each is written whole under another name and then renamed over
+    the old one, so a reader (or a second run at the same time) never sees half a file."""
+    written: list[Path] = []
+    for path, want in stale(package).items():
+        part = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            part.write_text(want)
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None, package: Path = PACKAGE) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each missing or stale file")
+    if not parser.parse_args(argv).check:
+        for path in generate(package):
             print(f"wrote {os.path.relpath(path)}")
-    for name in stale:
-        print(f"{name} is not what its source gives: run python client/tools/unasync.py", file=sys.stderr)
-    return 1 if stale else 0
+        return 0
+    wrong = stale(package)
+    for path in wrong:
+        name = os.path.relpath(path)
+        state = "is missing" if not path.exists() else "is not what its source gives"
+        print(f"{name} {state}: run python client/tools/unasync.py to generate it", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""The sync client's surface is generated from the asyncio one's (client/tools/unasync.py): the file
-checked in is what the generator gives, and the generator's rules do what its docstring says."""
+"""The sync client's surface is generated from the asyncio one's (client/tools/unasync.py): the file in
+the checkout (ignored by git, written by the client's build and by make) is what the generator gives,
+and the generator's rules do what its docstring says. That every build of the client writes it is in
+tests/integration/test_client_build.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 from types import ModuleType
@@ -89,11 +92,20 @@ class Client(driver.SyncDriver):
 '''
 
 
-def test_the_checked_in_sync_client_is_what_the_generator_gives() -> None:
+def test_the_sync_client_in_the_checkout_is_what_the_generator_gives() -> None:
     for target, source in unasync.GENERATED.items():
+        path = unasync.PACKAGE / target
+        assert path.exists(), f"{target} is missing: run python client/tools/unasync.py (or make test)"
         want = unasync.unasync((unasync.PACKAGE / source).read_text(), source)
-        have = (unasync.PACKAGE / target).read_text()
-        assert have == want, f"{target} is not what {source} gives: run python client/tools/unasync.py"
+        assert path.read_text() == want, f"{target} is not what {source} gives: run python client/tools/unasync.py"
+    assert unasync.stale() == {}
+
+
+def test_git_ignores_the_generated_file() -> None:
+    """It is a build product: a copy in git would be a second source, and one that can go stale."""
+    ignored = (unasync.PACKAGE.parents[1] / ".gitignore").read_text().splitlines()
+    for target in unasync.GENERATED:
+        assert f"/client/gpud_client/{target}" in ignored
 
 
 def test_the_rules_on_a_small_module() -> None:
@@ -122,7 +134,8 @@ def test_marks_out_of_order_are_refused_with_their_line(text: str, error: str) -
 def test_check_names_a_stale_file_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "aio.py").write_text("async def f() -> None:\n    await g()\n")
     assert unasync.main(["--check"], package=tmp_path) == 1
-    assert "client.py is not what its source gives" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "client.py is missing: run python client/tools/unasync.py" in said
     assert not (tmp_path / "client.py").exists()
 
     assert unasync.main([], package=tmp_path) == 0
@@ -131,3 +144,21 @@ def test_check_names_a_stale_file_and_writes_nothing(tmp_path: Path, capsys: pyt
 
     (tmp_path / "client.py").write_text("edited by hand\n")
     assert unasync.main(["--check"], package=tmp_path) == 1
+    assert "client.py is not what its source gives: run python client/tools/unasync.py" in capsys.readouterr().err
+
+
+def test_generate_writes_only_what_is_missing_or_stale(tmp_path: Path) -> None:
+    """What the client's build calls: a current file keeps its time (make's rule touches it), and no
+    half-written file or leftover is seen beside it."""
+    (tmp_path / "aio.py").write_text("async def f() -> None:\n    await g()\n")
+    assert unasync.generate(tmp_path) == [tmp_path / "client.py"]
+    assert unasync.stale(tmp_path) == {}
+    os.utime(tmp_path / "client.py", ns=(1, 1))
+    assert unasync.generate(tmp_path) == []
+    assert (tmp_path / "client.py").stat().st_mtime_ns == 1
+
+    (tmp_path / "aio.py").write_text("async def h() -> None:\n    await g()\n")
+    assert list(unasync.stale(tmp_path)) == [tmp_path / "client.py"]
+    assert unasync.generate(tmp_path) == [tmp_path / "client.py"]
+    assert "def h() -> None:" in (tmp_path / "client.py").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aio.py", "client.py"]
