@@ -625,8 +625,8 @@ class Fuzz:
         assert set(alloc.uids) == held, "allocator.uids and the ledger disagree"
         assert {a.task_id for a, _ in alloc.store.load().records} == held, "the store and the ledger disagree"
         assert set(alloc.waiters) == {r.task_id for r in led.waiting()}, "allocation waiters and the ledger disagree"
-        for task, (conn, _, _) in alloc.waiters.items():
-            assert open_conns.get(conn.client_id) is conn, f"task {task} waits for closed client {conn.client_id}"
+        for task, w in alloc.waiters.items():
+            assert open_conns.get(w.conn.client_id) is w.conn, f"task {task} waits for closed client {w.conn.client_id}"
 
     def finish(self) -> None:
         """Close every connection as the listener would; then nothing may be left held."""

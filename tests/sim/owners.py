@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpud.capabilities import allocations as allocations_module
+from gpud.capabilities.allocations import part as allocations_module
 from gpud.host.owners import TaskOwners
 from gpud.host.procs import Signals
 

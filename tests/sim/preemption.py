@@ -542,7 +542,7 @@ class Preemption(Part):
                 self.resumed(a, live[t].cpus)
         for t, g in list(allocs.ghosts.items()):
             if t in live and t not in allocs.acked:
-                msg = d.allocations.answer(0, live[t], 0.0)
+                msg = d.allocations.answers.answer(0, live[t], 0.0)
                 _, why = allocs.made(g.uid, msg, g, g.owner)
                 if why:
                     self.fail(f"the wait of {t} restored after a restart was served {short(msg)}: {why}")

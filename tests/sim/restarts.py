@@ -82,7 +82,7 @@ class Restarts(Part):
 
     def retrying(self) -> bool:
         """The allocations' timer could not store a change and tries again later (STORE_RETRY_US)."""
-        return getattr(self.daemon.allocations, "_retry_at", None) is not None
+        return self.daemon.allocations.durable.retry_at is not None
 
     # --- crashes and restarts -----------------------------------------------------------------------
 
