@@ -67,6 +67,7 @@ def build(n: int) -> Node:
     led = Ledger([GpuSpec(i, f"GPU-{i}") for i in range(2)], list(range(16)))
     share = 2 * UNIT // n
     gc.collect()
+    gc.freeze()  # what exists now is out of the count (and of the collections): what is left is what the build made
     before = len(gc.get_objects())
     for i in range(n):
         t = f"t{i:06d}"
@@ -77,6 +78,7 @@ def build(n: int) -> Node:
         led.mark_stored()
     gc.collect()
     node.tracked = (len(gc.get_objects()) - before) / n
+    gc.unfreeze()
     return node
 
 

@@ -231,3 +231,20 @@ def test_every_script_with_a_main_is_run_here_or_by_the_test_named() -> None:
         assert f'"{name}.py"' in (ROOT / test).read_text(), f"{test} does not run bench/{name}.py"
     for name, benchmark in WORKERS.items():
         assert benchmark in RUN_HERE | set(ELSEWHERE) and name in (BENCH / f"{benchmark}.py").read_text()
+
+
+def test_ledger_ops_counts_what_its_build_made_whatever_else_dies_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count of gc-tracked objects per allocation is of the ledger's own: objects of the process that
+    die while the ledger is built (another part's garbage) do not make it negative."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import ledger_ops  # type: ignore[import-not-found]
+
+    doomed = [[i] for i in range(5000)]  # tracked, alive when the build starts
+    real = ledger_ops.Ledger.allocate
+
+    def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        doomed.clear()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ledger_ops.Ledger, "allocate", allocate)
+    assert ledger_ops.build(10).tracked >= 0

@@ -133,7 +133,15 @@ class JDict(dict[K, V]):
         return keys
 
     def __setitem__(self, key: K, value: V) -> None:
-        self._note(key)
+        j = self._journal  # (``_note``, inline: every change of the ledger passes here)
+        if not j._dirty:
+            j.changing()
+        if j._recording:
+            saved = self._saved
+            if key not in saved:
+                if not saved:
+                    j._touched.append(self)
+                saved[key] = dict.get(self, key, _MISSING)
         dict.__setitem__(self, key, value)
         if self._hook is not None:
             self._hook(key)
@@ -141,7 +149,19 @@ class JDict(dict[K, V]):
     def __delitem__(self, key: K) -> None:
         if key not in self:
             raise KeyError(key)
-        self._note(key)
+        self._drop(key)
+
+    def _drop(self, key: K) -> None:
+        """Delete ``key``, which is there."""
+        j = self._journal  # (``_note``, inline)
+        if not j._dirty:
+            j.changing()
+        if j._recording:
+            saved = self._saved
+            if key not in saved:
+                if not saved:
+                    j._touched.append(self)
+                saved[key] = dict.__getitem__(self, key)
         dict.__delitem__(self, key)
         if self._hook is not None:
             self._hook(key)
@@ -153,12 +173,12 @@ class JDict(dict[K, V]):
     @overload
     def pop(self, key: K, default: D, /) -> V | D: ...
     def pop(self, key: K, *default: Any) -> Any:
-        if key not in self:
+        value = dict.get(self, key, _MISSING)
+        if value is _MISSING:
             if default:
                 return default[0]
             raise KeyError(key)
-        value = self[key]
-        del self[key]
+        self._drop(key)
         return value
 
     def popitem(self) -> tuple[K, V]:

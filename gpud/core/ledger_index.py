@@ -25,6 +25,12 @@ nothing). Kept, in ``SortedKeys`` or ``ByTime`` (a change costs O(log n), read o
 
 ``gpud.core.victim_pool`` reads these indexes in bulk as a choice takes victims by the thousand.
 
+What only the listing and taking back read (the paged listing, per tenant newest first, the
+maturing, the groups a request may take back whole, the counts per GPU and the allocations without a
+notice) is brought up to date when read (``_fresh``, behind each reader), not at each change: a
+change marks the task stale with the facts indexed there and a change back unmarks it, so an
+allocation made and freed while nobody lists or takes anything back costs a dict's insert and delete.
+
 The facts kept per task (``_Facts``) hold no reference cycle, so the garbage collector does not
 track them: 20 000 allocations do not lengthen its full collections.
 
@@ -127,9 +133,20 @@ class _Facts(msgspec.Struct, frozen=True, gc=False):
     suspended: bool
     plan: tuple[str, ...] = ()  # a waiter's victims not told yet
     parked: Any = None  # a suspended allocation's wait: ((-priority, seq, task id), share, pinned GPUs)
+    plain: bool = False  # an allocation (or nothing) with no notice, rest or wait: the common facts
 
 
-_NONE = _Facts(None, None, None, None, False)
+_NONE = _Facts(None, None, None, None, False, plain=True)
+
+
+def _apart(a: _Facts, b: _Facts) -> bool:
+    """Whether what ``_fresh`` indexes differs between facts ``a`` and ``b``."""
+    return (
+        a.alloc is not b.alloc
+        or a.suspended is not b.suspended
+        or (a.notice is None) is not (b.notice is None)
+        or (a.immune_until is None) is not (b.immune_until is None)
+    )
 
 
 def takes_whole(a: Alloc) -> bool:
@@ -148,20 +165,21 @@ class LedgerIndex:
         "_waiting",
         "_never",
         "_facts",
-        "listed",
+        "_listed",
         "_tenant_used",
-        "_by_tenant",
-        "_maturing",
-        "lower_groups",
+        "_tenant_newest",
+        "_made_at",
+        "_groups",
         "cpu_holders",
         "elastic",
         "_notice_due",
         "_wait_due",
         "_immune_due",
-        "held_on",
-        "untold",
-        "immune_on",
-        "tenant_on",
+        "_held_on",
+        "_untold",
+        "_immune_on",
+        "_tenant_on",
+        "_stale",
         "told",
         "drain_on",
         "chosen",
@@ -183,21 +201,22 @@ class LedgerIndex:
         self._never = never
         self._facts: dict[str, _Facts] = {}
         self.reads = 0  # allocations made into candidates: what choosing read
-        self.listed: SortedKeys[str] = SortedKeys()
         self._tenant_used: dict[str, int] = {}
-        self._by_tenant: dict[str, SortedKeys[tuple[int, str]]] = {}  # (-created, task id)
-        self._maturing = ByTime()  # allocations of priority above 0 by when they were made
-        # gpu -> (units, share, priority) -> (-created, id): the groups ``preemption.Ranked`` reads
-        self.lower_groups: dict[int, dict[GroupKey, SortedKeys[tuple[int, str]]]] = {}
+        # Read only by the listing and taking back, brought up to date when read (``_fresh``).
+        self._listed: SortedKeys[str] = SortedKeys()
+        self._tenant_newest: dict[str, SortedKeys[tuple[int, str]]] = {}  # (-created, task id)
+        self._made_at = ByTime()  # allocations of priority above 0 by when they were made
+        self._groups: dict[int, dict[GroupKey, SortedKeys[tuple[int, str]]]] = {}
+        self._held_on: dict[int, int] = {}
+        self._untold: dict[int, SortedKeys[str]] = {}
+        self._immune_on: dict[int, int] = {}
+        self._tenant_on: dict[int, dict[str, int]] = {}
+        self._stale: dict[str, _Facts] = {}  # task id -> its facts as those indexes hold them
         self.cpu_holders: dict[str, None] = {}
         self.elastic: dict[str, None] = {}
         self._notice_due = ByTime()
         self._wait_due = ByTime()
         self._immune_due = ByTime()
-        self.held_on: dict[int, int] = {}  # gpu -> how many allocations hold it
-        self.untold: dict[int, SortedKeys[str]] = {}  # gpu -> its allocations without a notice
-        self.immune_on: dict[int, int] = {}  # gpu -> how many of its allocations are immune
-        self.tenant_on: dict[int, dict[str, int]] = {}  # gpu -> tenant -> units its allocations hold
         self.told: dict[str, SortedKeys[str]] = {}  # waiter (or "idle") -> the allocations told for it
         self.drain_on: dict[int, SortedKeys[str]] = {}  # gpu -> the allocations a drain's notice names it for
         self.chosen: dict[str, str] = {}  # victim planned, not told yet -> its waiter
@@ -212,102 +231,55 @@ class LedgerIndex:
         a = self.allocs.get(t)
         n = self.notices.get(t)
         w = self._waiting.get(t)
-        wait = None if w is None or w.deadline >= self._never else w.deadline
-        suspended = w is not None and w.suspended is not None
-        parked = None
-        if w is not None and suspended:
-            r = w.request
-            parked = ((-r.priority, w.seq, t), min(r.gpus, UNIT), r.pinned)
-        facts = _Facts(a, n, self.immune.get(t), wait, suspended, () if w is None else w.plan, parked)
+        immune = self.immune.get(t)
         old = self._facts.get(t, _NONE)
-        if old.alloc is a:
-            if old == facts:
+        if w is None and n is None and immune is None and old.plain:  # an allocation made or freed, alone
+            if old.alloc is a:
                 return
-            self._put_told(t, old, facts)  # the same allocation told, or no longer: the common change
+            facts = _NONE if a is None else _Facts(a, None, None, None, False, plain=True)
+            if old.alloc is not None:
+                self._put_alloc(t, old.alloc, -1)
+            if a is not None:
+                self._put_alloc(t, a, 1)
+                self._facts[t] = facts
+            else:
+                del self._facts[t]
+            self._mark_stale(t, old, facts)
+            return
+        if w is None:
+            plain = n is None and immune is None
+            facts = _NONE if plain and a is None else _Facts(a, n, immune, None, False, plain=plain)
         else:
-            self._put(t, old, -1)
-            self._put(t, facts, 1)
+            wait = None if w.deadline >= self._never else w.deadline
+            parked = None
+            if w.suspended is not None:
+                r = w.request
+                parked = ((-r.priority, w.seq, t), min(r.gpus, UNIT), r.pinned)
+            facts = _Facts(a, n, immune, wait, w.suspended is not None, w.plan, parked)
+        if old.alloc is a and old == facts:
+            return
+        if _apart(old, facts):
+            self._mark_stale(t, old, facts)
+        self._put(t, old, facts)
         if facts == _NONE:
             self._facts.pop(t, None)
         else:
             self._facts[t] = facts
 
-    def _put(self, t: str, f: _Facts, sign: int) -> None:
-        """Index (sign 1) or unindex (-1) task ``t`` with facts ``f``."""
-
-        add = sign > 0
-
-        def put(keys: SortedKeys[Any], key: Any) -> None:
-            keys.add(key) if add else keys.remove(key)
-
-        def put_at(ids: ByTime, at: int) -> None:
-            ids.add(at, t) if add else ids.remove(at, t)
-
-        a = f.alloc
-        if a is not None or f.suspended:
-            put(self.listed, t)
-        if a is not None:
-            if a.tenant is not None:
-                self._tenant_used[a.tenant] = self._tenant_used.get(a.tenant, 0) + sign * a.total
-                put(self._by_tenant.setdefault(a.tenant, SortedKeys()), (-a.created_us, t))
-            if runs_minimum(a.priority):
-                put_at(self._maturing, a.created_us)
-            for held, yes in ((self.cpu_holders, bool(a.cpus)), (self.elastic, bool(a.gpus_max))):
-                if yes and sign > 0:
-                    held[t] = None
-                elif yes:
-                    del held[t]
-            if takes_whole(a):
-                key = (a.total, a.share, a.priority)
-                for g in a.gpus:
-                    groups = self.lower_groups.setdefault(g, {})
-                    group = groups.setdefault(key, SortedKeys())
-                    put(group, (-a.created_us, t))
-                    if not group:
-                        del groups[key]
-            for g in a.gpus:
-                _count(self.held_on, g, sign)
-                if a.tenant is not None:
-                    _count(self.tenant_on.setdefault(g, {}), a.tenant, sign * a.share)
-                    if not self.tenant_on[g]:
-                        del self.tenant_on[g]
-            if f.notice is None:
-                self._put_untold(t, a, add)
-            if f.immune_until is not None:
-                for g in a.gpus:
-                    _count(self.immune_on, g, sign)
-        if f.notice is not None:
-            self._put_notice(t, f.notice, add)
-        if f.plan:
-            self._put_plan(t, f.plan if add else (), () if add else f.plan)
-            if add:
-                self.planning[t] = None
-            else:
-                del self.planning[t]
-        if f.parked is not None:
-            self._put_parked(f.parked, add)
-        if f.notice is not None:
-            put_at(self._notice_due, f.notice.deadline)
-        if f.wait_deadline is not None:
-            put_at(self._wait_due, f.wait_deadline)
-        if f.immune_until is not None:
-            put_at(self._immune_due, f.immune_until)
-
-    def _put_told(self, t: str, old: _Facts, new: _Facts) -> None:
-        """The allocation (or the wait) is the same: only a notice, immunity, wait or plan changed."""
-        a = new.alloc
-        if a is None and old.suspended != new.suspended:  # (with an allocation it is listed either way)
-            self.listed.add(t) if new.suspended else self.listed.remove(t)
+    def _put(self, t: str, old: _Facts, new: _Facts) -> None:
+        """Index ``t`` by its facts ``new`` where it was indexed by ``old`` (all but what ``_fresh``
+        brings up to date when read)."""
+        a, b = old.alloc, new.alloc
+        if a is not b:
+            if a is not None:
+                self._put_alloc(t, a, -1)
+            if b is not None:
+                self._put_alloc(t, b, 1)
         if old.notice != new.notice:
             if old.notice is not None:
                 self._put_notice(t, old.notice, False)
             if new.notice is not None:
                 self._put_notice(t, new.notice, True)
-            if a is not None and (old.notice is None) != (new.notice is None):
-                self._put_untold(t, a, new.notice is None)
-        if a is not None and (old.immune_until is None) != (new.immune_until is None):
-            for g in a.gpus:
-                _count(self.immune_on, g, 1 if new.immune_until is not None else -1)
         if old.plan != new.plan:
             self._put_plan(t, new.plan, old.plan)
             if new.plan and not old.plan:
@@ -330,12 +302,17 @@ class LedgerIndex:
                 if now is not None:
                     due.add(now, t)
 
-    def _put_untold(self, t: str, a: Alloc, add: bool) -> None:
-        for g in a.gpus:
-            keys = self.untold.setdefault(g, SortedKeys())
-            keys.add(t) if add else keys.remove(t)
-            if not keys:
-                del self.untold[g]
+    def _put_alloc(self, t: str, a: Alloc, sign: int) -> None:
+        """Index (sign 1) or unindex (-1) allocation ``a`` of ``t``: what placement and every call read."""
+        if a.tenant is not None:
+            self._tenant_used[a.tenant] = self._tenant_used.get(a.tenant, 0) + sign * a.total
+        if not (a.cpus or a.gpus_max):
+            return
+        for held, yes in ((self.cpu_holders, a.cpus), (self.elastic, a.gpus_max)):
+            if yes and sign > 0:
+                held[t] = None
+            elif yes:
+                del held[t]
 
     def _put_notice(self, t: str, n: _Told, add: bool) -> None:
         """A running notice, by its waiter (a drain's by each GPU it names)."""
@@ -373,6 +350,101 @@ class LedgerIndex:
                 if not by_share:
                     del self.parked[g]
 
+    # --- what only the listing and taking back read: brought up to date when read ----------------
+
+    def _mark_stale(self, t: str, old: _Facts, new: _Facts) -> None:
+        """``t``'s facts that ``_fresh`` indexes change from ``old`` to ``new``."""
+        stale = self._stale
+        held = stale.get(t)
+        if held is None:
+            stale[t] = old
+        elif not _apart(held, new):
+            del stale[t]  # back to what is indexed there
+
+    def _fresh(self) -> None:
+        """Bring what only the listing and taking back read up to date with the facts."""
+        stale = self._stale
+        if not stale:
+            return
+        self._stale = {}
+        facts = self._facts
+        for t, held in stale.items():
+            self._put_takeback(t, held, -1)
+            self._put_takeback(t, facts.get(t, _NONE), 1)
+
+    def _put_takeback(self, t: str, f: _Facts, sign: int) -> None:
+        """Index (sign 1) or unindex (-1) task ``t`` with facts ``f`` where ``_fresh`` does."""
+        a = f.alloc
+        add = sign > 0
+        if a is not None or f.suspended:
+            self._listed.add(t) if add else self._listed.remove(t)
+        if a is None:
+            return
+        key = (-a.created_us, t)
+        if a.tenant is not None:
+            newest = self._tenant_newest.setdefault(a.tenant, SortedKeys())
+            newest.add(key) if add else newest.remove(key)
+        if runs_minimum(a.priority):
+            self._made_at.add(a.created_us, t) if add else self._made_at.remove(a.created_us, t)
+        if takes_whole(a):
+            group_key = (a.total, a.share, a.priority)
+            for g in a.gpus:
+                groups = self._groups.setdefault(g, {})
+                group = groups.setdefault(group_key, SortedKeys())
+                group.add(key) if add else group.remove(key)
+                if not group:
+                    del groups[group_key]
+        for g in a.gpus:
+            _count(self._held_on, g, sign)
+            if a.tenant is not None:
+                _count(self._tenant_on.setdefault(g, {}), a.tenant, sign * a.share)
+                if not self._tenant_on[g]:
+                    del self._tenant_on[g]
+            if f.notice is None:
+                keys = self._untold.setdefault(g, SortedKeys())
+                keys.add(t) if add else keys.remove(t)
+                if not keys:
+                    del self._untold[g]
+            if f.immune_until is not None:
+                _count(self._immune_on, g, sign)
+
+    @property
+    def listed(self) -> SortedKeys[str]:  # the running and suspended allocations by task id
+        self._fresh()
+        return self._listed
+
+    @property
+    def lower_groups(self) -> dict[int, dict[GroupKey, SortedKeys[tuple[int, str]]]]:
+        """Per GPU and (units, share, priority), the allocations a request may take back whole, as
+        (-created, task id): the groups ``preemption.Ranked`` reads."""
+        self._fresh()
+        return self._groups
+
+    @property
+    def held_on(self) -> dict[int, int]:  # GPU -> how many allocations hold it
+        self._fresh()
+        return self._held_on
+
+    @property
+    def untold(self) -> dict[int, SortedKeys[str]]:  # GPU -> its allocations without a notice
+        self._fresh()
+        return self._untold
+
+    @property
+    def immune_on(self) -> dict[int, int]:  # GPU -> how many of its allocations are immune
+        self._fresh()
+        return self._immune_on
+
+    @property
+    def tenant_on(self) -> dict[int, dict[str, int]]:  # GPU -> tenant -> units its allocations hold
+        self._fresh()
+        return self._tenant_on
+
+    @property
+    def _maturing(self) -> ByTime:  # the allocations of priority above 0 by when they were made
+        self._fresh()
+        return self._made_at
+
     # --- reading ------------------------------------------------------------
 
     def tenant_usage(self, tenant: str) -> int:
@@ -380,11 +452,12 @@ class LedgerIndex:
 
     def newest_of(self, tenant: str) -> Iterator[str]:
         """The tenant's allocations, newest first (ties: the lower task id)."""
-        return (t for _, t in self._by_tenant.get(tenant, ()))
+        self._fresh()
+        return (t for _, t in self._tenant_newest.get(tenant, ()))
 
     def first_maturity(self, after: int, min_runtime: int) -> int | None:
         """The earliest time after ``after`` when an allocation of priority above 0 reaches its minimum runtime."""
-        made = self._maturing.first_after(after - min_runtime)
+        made = self._maturing.first_after(after - min_runtime)  # (brought up to date)
         return None if made is None else made + min_runtime
 
     def due_notices(self, now: int, limit: int | None = None) -> list[str]:

@@ -249,8 +249,18 @@ class Ledger:
         first = st.index.first_immunity()  # victims are chosen among all who may be: no rest left to forget
         return effects + takeback.plan(st, now, choose=first is None or first > now)
 
+    def reach_matters(self) -> bool:
+        """Whether a task that someone can be told about from now on (``reachable``) may change what
+        ``advance`` does at once: a GPU drains, a request or a suspended allocation waits (it may take
+        the task back), or an elastic allocation may give back what idles. False: nothing is due
+        because of it, and the shell need not wake its timer."""
+        st = self.state
+        return bool(st.draining or st.waiting or st.index.elastic)
+
     def next_deadline(self) -> int | None:
         st = self.state
+        if not (st.waiting or st.notices or st.immune or st.grow_since or st.draining or _busy(st)):
+            return None  # (the common call: no wait, notice, rest, growth, drain or batch, so no time)
         times = st.index.first_deadlines()  # of notices and waits
         times += [elastic.grow_at(st, t) for t in st.grow_since]
         times += takeback.maturities(st)
@@ -350,6 +360,12 @@ class Ledger:
         return self.state.index.tenant_usage(tenant)
 
 
+def _busy(st: LedgerState) -> bool:
+    """Whether a batch or an elastic allocation may still make a time (``next_deadline``'s other
+    sources: victims chosen, notices or drains withdrawn, waiters served, elastic allocations)."""
+    return bool(st.index.chosen or st.withdrawing or st.undraining or st.serving or st.index.elastic)
+
+
 def _batches_left(st: LedgerState) -> bool:
     """Whether work waits for the next ``advance``: victims to tell, notices to withdraw,
     allocations on draining GPUs to tell, rests to forget, waiters to serve."""
@@ -360,5 +376,7 @@ def _batches_left(st: LedgerState) -> bool:
         return True
     if (first := index.first_immunity()) is not None and first <= st.advanced_to:
         return True
-    untold = index.untold
-    return bool(st.draining) and any(any(map(st.reachable.__contains__, untold.get(g, ()))) for g in st.draining)
+    if not st.draining:
+        return False
+    untold = index.untold  # (read only while a GPU drains: it is brought up to date when read)
+    return any(any(map(st.reachable.__contains__, untold.get(g, ()))) for g in st.draining)
