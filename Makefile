@@ -47,8 +47,8 @@ $(BASE): pyproject.toml client/pyproject.toml
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	@echo "make: installing what the tests need into $(VENV): Ray, Airflow, pytest, mypy (once; about a minute)"
-	$(PIP_QUIET) -e './client[ray,airflow]' -e '.[test]'
+	@echo "make: installing what the tests need into $(VENV): Ray, Airflow, the Kubernetes agent's gRPC and client, pytest, mypy (once; about a minute)"
+	$(PIP_QUIET) -e './client[ray,airflow]' -e '.[test,k8s]'
 	touch $(STAMP)
 
 # The sync client is generated from the asyncio one and ignored by git (client/tools/unasync.py).
@@ -71,8 +71,8 @@ test: $(STAMP) $(SYNC_CLIENT)
 # the test tools alone.
 check: $(BASE) $(SYNC_CLIENT)
 	@[ -x $(VENV)/bin/ruff ] && [ -x $(VENV)/bin/mypy ] || $(PIP_QUIET) -e '.[test]'
-	$(VENV)/bin/ruff check gpud client bench tests examples install
-	$(VENV)/bin/ruff format --check gpud client bench tests examples install
+	$(VENV)/bin/ruff check gpud gpud_k8s client bench tests examples install
+	$(VENV)/bin/ruff format --check gpud gpud_k8s client bench tests examples install
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python client/tools/unasync.py --check
 

@@ -18,6 +18,7 @@ TIERS = {
     "core": "core",
     "client": "core",
     "integration": "integration",
+    "k8s": "integration",  # gpud-k8s: real gRPC over Unix sockets, a fake kubelet and API server
     "test_daemon_sim.py": "sim",
     "test_fuzz_handling.py": "sim",  # long seeded or generated runs
     "test_demo.py": "integration",  # the demo's own daemon and client processes

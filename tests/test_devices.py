@@ -38,12 +38,17 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
         return SimpleNamespace(total=(h + 1) * 2**30, used=0, free=(h + 1) * 2**30)
 
+    def nvmlDeviceGetPciInfo(self, h: int) -> SimpleNamespace:
+        if h == 1:
+            raise RuntimeError("Not Supported")  # (NVMLError: a GPU that does not say)
+        return SimpleNamespace(busId=b"00000000:17:00.0")
+
 
 def test_nvml_devices_are_discovered() -> None:
     gpus = discover(nvml=FakeNvml(["NVIDIA A100", "NVIDIA L4"]))
-    assert [(g.index, g.uuid, g.name, g.memory_total_bytes, g.simulated) for g in gpus] == [
-        (0, "GPU-00000000", "NVIDIA A100", 2**30, False),
-        (1, "GPU-00000001", "NVIDIA L4", 2 * 2**30, False),
+    assert [(g.index, g.uuid, g.name, g.memory_total_bytes, g.simulated, g.pci_bus_id) for g in gpus] == [
+        (0, "GPU-00000000", "NVIDIA A100", 2**30, False, "00000000:17:00.0"),
+        (1, "GPU-00000001", "NVIDIA L4", 2 * 2**30, False, None),
     ]
 
 

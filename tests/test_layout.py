@@ -199,3 +199,18 @@ def test_no_core_or_capability_module_is_over_the_size_limit() -> None:
     }
     over = sorted(path for path, n in lines.items() if n > MAX_LINES)
     assert not over, f"over {MAX_LINES} lines: {over}: split it by rule family"
+
+
+def test_the_kubernetes_agent_is_a_client_of_the_daemon() -> None:
+    """gpud-k8s (gpud_k8s/) speaks to gpud through gpud_client alone, as any client does, and the daemon
+    imports nothing of it (gRPC and the Kubernetes client stay out of the daemon)."""
+    agent = GPUD.parent / "gpud_k8s"
+    wrong = [
+        f"{path.relative_to(GPUD.parent)} imports {dep}"
+        for path in agent.rglob("*.py")
+        for dep in imports_of(path, set(modules()) | {"gpud"})
+    ]
+    assert not wrong, "\n".join(wrong)
+    for name, path in modules().items():
+        text = path.read_text()
+        assert "gpud_k8s" not in text and "import grpc" not in text, f"{name}: the daemon imports the agent or gRPC"

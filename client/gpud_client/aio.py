@@ -330,12 +330,14 @@ class AsyncClient(driver.AsyncDriver):
         on_preempt: p.Recovery | str = "terminate",
         gpus_max: int | None = None,
         protected: bool = False,
+        memory_bytes: int | None = None,
     ) -> p.Allocated:
         """Assign GPUs and CPU cores to ``task_id`` (idempotent). Raises ProtocolError ``insufficient``
         when the node cannot hold it (after waiting up to ``wait_ms`` in the priority queue).
         ``on_preempt``: what this client does when gpud takes it back (a ``Recovery``; listen with
         ``add_allocation_listener``); ``gpus_max``: elastic, ``gpus`` whole GPUs at least and up to
-        this many; ``protected`` (admin): never preempted."""
+        this many; ``protected`` (admin): never preempted; ``memory_bytes``: a fraction's memory
+        ceiling for its sessions (default: its share of the GPU's memory)."""
         msg = allocate_msg(
             task_id,
             gpus,
@@ -349,6 +351,7 @@ class AsyncClient(driver.AsyncDriver):
             on_preempt=on_preempt,
             gpus_max=gpus_max,
             protected=protected,
+            memory_bytes=memory_bytes,
             notify=bool(self._listeners),  # told only if something listens: else its owner is signalled
         )
         reply: p.Allocated = await self.call(msg, timeout=wait_ms / 1000 + self.request_timeout)

@@ -169,6 +169,8 @@ class Strategy(enum.StrEnum):
     ROUND_ROBIN = "round_robin"  # start after the GPU chosen last
     LEAST_LOADED = "least_loaded"  # the most free share first
     RANDOM = "random"  # random among those that fit (Ray's rule)
+    # only the GPUs in prefer (all of them, or one for a fraction): a scheduler placed it already (gpud-k8s)
+    ONLY = "only"
 
 
 class PriorityClass(enum.StrEnum):
@@ -412,6 +414,9 @@ class Allocate(_Msg, tag="ALLOCATE", frozen=True, kw_only=True):
     # The connection carries the recovery out when told (PREEMPT pushes). False: it does not listen,
     # so gpud tells the owner process by signals instead (and with no owner pid, never preempts it).
     notify: bool = True
+    # A fraction's memory ceiling for its sessions, in bytes (None: its share of the GPU's memory; at most
+    # the GPU's memory). Only with a fraction of one GPU.
+    memory_bytes: Bytes | None = None
 
 
 class Free(_Msg, tag="FREE", frozen=True, kw_only=True):
@@ -543,6 +548,32 @@ class ListRuns(_Msg, tag="RUNS", frozen=True, kw_only=True):
     id: RequestId
 
 
+# --- a task's own socket (docs/kubernetes.md#a-socket-per-claim) --------------------------------------
+# A socket path: absolute, within what a Unix socket address holds (107 bytes), no NUL.
+SocketPath = Annotated[str, Meta(min_length=2, max_length=107, pattern=r"^/[^\x00]*$")]
+
+
+class OpenTaskSocket(_Msg, tag="OPEN_TASK_SOCKET", frozen=True, kw_only=True):
+    """Admin: listen at ``path`` on a socket of ``task_id``'s own, for processes gpud cannot tell apart
+    otherwise (a container's: their uids and pids say nothing of the claim they run for). Every
+    connection on it belongs to the task: it attaches sessions to the task's allocation (whose share
+    and memory are their ceilings), may hold the allocation and yield it, names no other task and is no
+    admin, whatever its uid. ``path``'s directory must exist, be owned by gpud's uid or root and be
+    writable by no one else. The same task and path again: nothing changes. Answered OK."""
+
+    id: RequestId
+    task_id: TaskId
+    path: SocketPath
+
+
+class CloseTaskSocket(_Msg, tag="CLOSE_TASK_SOCKET", frozen=True, kw_only=True):
+    """Admin: stop listening on ``task_id``'s own socket (the file is removed) and close the connections
+    made on it. A task with none: nothing to do. Answered OK."""
+
+    id: RequestId
+    task_id: TaskId
+
+
 class Contained(_Reply, tag="CONTAINED", frozen=True, kw_only=True):
     id: RequestId
     pid: int
@@ -608,6 +639,8 @@ ClientMessage = Union[
     Thaw,
     Escaped,
     ListRuns,
+    OpenTaskSocket,
+    CloseTaskSocket,
 ]
 
 
@@ -731,6 +764,7 @@ class Allocated(_Reply, tag="ALLOCATED", frozen=True, kw_only=True):
     resume: bool = False  # this start resumes a task preempted before (its checkpoint is there)
     preemptions: int = 0  # how often this task was preempted
     preemption_grace_s: float | None = None  # how long a preempted holder has to leave (the daemon's setting)
+    memory_bytes: int | None = None  # a fraction's memory ceiling (ALLOCATE's memory_bytes, or its share's)
 
 
 class GpuAllocationSummary(Struct, frozen=True, kw_only=True):
@@ -940,6 +974,7 @@ class GpuStatus(Struct, frozen=True, kw_only=True):
     memory_used_bytes: int | None = None  # NVML's last reading, every process's (None: simulated)
     draining: bool = False  # an operator drains it: no new grants
     drained: bool = False  # draining, and no allocation is left on it
+    pci_bus_id: str | None = None  # NVML's (domain:bus:device.function); None: simulated or unknown
     holders: list[HolderInfo]
     queue: list[WaiterInfo]
     clients: int

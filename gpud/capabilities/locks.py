@@ -114,6 +114,13 @@ class Locks(Part):
         # A fractional allocation of the session's task (named, or matched by process or uid)
         # caps its limits: the caps are ceilings the client cannot lift later.
         alloc = self.allocation_of(conn, msg.task_id or conn.labels.get("task_id"), slot.gpu.index)
+        if conn.scope is not None and (alloc is None or slot.gpu.index not in alloc.gpus):
+            held = "holds no allocation" if alloc is None else f"holds GPUs {list(alloc.gpus)}"
+            raise Refused(
+                p.ErrorCode.PERMISSION_DENIED,
+                f"a session on the socket of task {conn.scope!r} runs on its allocation's GPUs: "
+                f"the task {held}, not GPU {slot.gpu.index}",
+            )
         if slot.draining and alloc is None:
             raise Refused(
                 p.ErrorCode.INSUFFICIENT,

@@ -106,6 +106,7 @@ def status_reply(
                 healthy=slot.healthy,
                 draining=slot.draining,
                 drained=slot.draining and not allocated(slot.gpu.index) and not view.holders,
+                pci_bus_id=slot.gpu.pci_bus_id,
                 holders=holders,
                 queue=queue,
                 clients=clients_on.get(slot.gpu.index, 0),

@@ -140,4 +140,5 @@ def fraction_ceilings(alloc: Allocation | None, gpu: int, memory_total: int) -> 
     """(core ceiling %, memory ceiling bytes) that an allocation puts on a session on ``gpu``."""
     if alloc is None or alloc.share >= UNIT or gpu not in alloc.gpus:
         return 100, None
-    return max(1, alloc.share * 100 // UNIT), memory_total * alloc.share // UNIT
+    memory = memory_total * alloc.share // UNIT if alloc.memory_bytes is None else min(alloc.memory_bytes, memory_total)
+    return max(1, alloc.share * 100 // UNIT), memory

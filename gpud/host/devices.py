@@ -28,6 +28,7 @@ class Gpu:
     name: str
     memory_total_bytes: int
     simulated: bool
+    pci_bus_id: str | None = None  # NVML's (domain:bus:device.function); None: simulated, or NVML did not say
 
 
 def simulated_gpus(spec: str) -> list[Gpu]:
@@ -67,9 +68,20 @@ def nvml_gpus(nvml: Any) -> list[Gpu]:
                 name=_text(nvml.nvmlDeviceGetName(h)),
                 memory_total_bytes=int(mem.total),
                 simulated=False,
+                pci_bus_id=_pci_bus_id(nvml, h),
             )
         )
     return gpus
+
+
+def _pci_bus_id(nvml: Any, handle: Any) -> str | None:
+    """The GPU's PCI address as NVML gives it (``00000000:17:00.0``), or None where it does not."""
+    try:
+        info = nvml.nvmlDeviceGetPciInfo(handle)
+    except Exception:  # NVMLError: an older driver, a GPU that does not say; the address is only shown
+        return None
+    bus_id = getattr(info, "busId", None)
+    return (_text(bus_id) or None) if bus_id is not None else None
 
 
 def _import_nvml() -> ModuleType | None:

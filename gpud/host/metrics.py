@@ -48,7 +48,7 @@ CAPS = (
 # Signals gpud sends to processes it holds, by signal and why (docs/security.md).
 SIGNALS = ("SIGTERM", "SIGKILL")
 SIGNAL_WHYS = ("preempt_notice", "preempt_grace_over")
-DROPPED = ("too_slow", "peer_gone", "no_hello")
+DROPPED = ("too_slow", "peer_gone", "no_hello", "task_socket_closed")
 
 # Lease waits and holds of inference calls: from sub-millisecond to a minute.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

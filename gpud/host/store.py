@@ -52,6 +52,8 @@ CREATE TABLE IF NOT EXISTS set_aside (
 );
 """
 SCHEMA_VERSION = 2  # 2: notices, suspended and waiting tasks, preemption history, drained GPUs (reads 1)
+_PUT = "INSERT OR REPLACE INTO allocations VALUES (?, ?)"
+_DELETE = "DELETE FROM allocations WHERE task_id = ?"
 BUSY_TIMEOUT_MS = 5  # the longest a write waits for another process's lock while serving
 OPEN_BUSY_TIMEOUT_MS = 2000  # at start-up, before anything is served
 _MOVE_AWAY = "move it away (gpud then starts with no allocations) or restore it from a backup"
@@ -95,6 +97,7 @@ class _Wait(msgspec.Struct, frozen=True):
     deadline: int
     since: int
     victims: Annotated[list[TaskId], msgspec.Meta(max_length=1024)]
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**62)] | None = None  # (None in older records)
 
 
 class _Record(msgspec.Struct, frozen=True):
@@ -122,6 +125,8 @@ class _Record(msgspec.Struct, frozen=True):
     # The owner process's start time (clock ticks after boot): after a restart, only that very
     # process is its owner again, never a reuse of its pid. None in older records.
     owner_start: int | None = None
+    # A fraction's memory ceiling (ALLOCATE's memory_bytes). None in older records: its share's.
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**62)] | None = None
 
 
 @dataclass
@@ -209,17 +214,31 @@ class Store:
         ``starts``: the owner processes' start times, by task id."""
         starts = starts or {}
         rows = [(r.task_id, self._enc.encode(self._record(r, uid, starts.get(r.task_id)))) for r, uid in put]
+        gone = [(t,) for t in delete]
         drained = None if draining is None else ",".join(map(str, sorted(draining)))
+        if not clear and drained is None and len(rows) + len(gone) == 1:  # (the common change: one task's record)
+            self._statement(_PUT if rows else _DELETE, rows[0] if rows else gone[0])
+            return
 
         def change(db: sqlite3.Connection) -> None:
             if clear:
                 db.execute("DELETE FROM allocations")
-            db.executemany("DELETE FROM allocations WHERE task_id = ?", [(t,) for t in delete])
-            db.executemany("INSERT OR REPLACE INTO allocations VALUES (?, ?)", rows)
+            if gone:
+                db.executemany(_DELETE, gone)
+            if rows:
+                db.executemany(_PUT, rows)
             if drained is not None:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('draining', ?)", (drained,))
 
         self._transaction(change)
+
+    def _statement(self, sql: str, args: tuple[object, ...]) -> None:
+        """A change of one statement, a transaction of its own: SQLite commits it whole before it
+        returns, or rolls it back whole (no BEGIN and COMMIT to pay for)."""
+        try:
+            self._db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{exc} (store {self.path})") from None
 
     def _transaction(self, change: Callable[[sqlite3.Connection], None]) -> None:
         db = self._db
@@ -239,6 +258,32 @@ class Store:
     def _record(rec: TaskRecord | Allocation, uid: int, owner_start: int | None = None) -> _Record:
         if isinstance(rec, Allocation):
             rec = TaskRecord(rec.task_id, allocation=rec)
+        a = rec.allocation
+        if a is not None and rec.notice is None and rec.waiting is None:  # (the common record: the same fields)
+            return _Record(
+                rec.task_id,
+                list(a.gpus),
+                a.share,
+                list(a.cpus),
+                a.tenant,
+                a.priority,
+                a.owner_pid,
+                a.created_us,
+                uid,
+                True,
+                a.on_preempt,
+                a.gpus_min,
+                a.gpus_max,
+                a.protected,
+                a.preemptions,
+                a.resume,
+                a.changed_us,
+                None,
+                None,
+                rec.suspended is not None,
+                owner_start,
+                a.memory_bytes,
+            )
         a = rec.allocation or rec.suspended
         n, w = rec.notice, rec.waiting
         return _Record(
@@ -278,9 +323,11 @@ class Store:
                 rec.wait_deadline,
                 rec.wait_since,
                 list(rec.victims),
+                w.memory_bytes,
             ),
             suspended=rec.suspended is not None,
             owner_start=owner_start,
+            memory_bytes=a.memory_bytes if a else None,
         )
 
     @staticmethod
@@ -301,6 +348,7 @@ class Store:
             preemptions=r.preemptions,
             resume=r.resume,
             changed_us=r.changed_us,
+            memory_bytes=r.memory_bytes,
         )
         n, w = r.notice, r.wait
         notice = None if n is None else Notice(r.task_id, n.reason, tuple(n.gpus), n.whole, n.issued, n.deadline, n.by)
@@ -326,6 +374,7 @@ class Store:
             w.gpus_max,
             w.protected,
             tuple(w.pinned),
+            w.memory_bytes,
         )
         return TaskRecord(
             r.task_id,

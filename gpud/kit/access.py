@@ -39,7 +39,10 @@ class Access:
         self.lowest_ceiling = min([rules.default_max, *rules.by_uid.values(), *rules.by_gid.values()])
 
     def is_admin(self, conn: ClientLink) -> bool:
-        """uid 0, the daemon's own uid, or a member of ``admin_group``."""
+        """uid 0, the daemon's own uid, or a member of ``admin_group``; never a connection on a task's
+        own socket (root in a container is no admin of the node)."""
+        if conn.scope is not None:
+            return False
         if conn.uid == 0 or conn.uid == self.daemon_uid:
             return True
         gid = self.admin_gid

@@ -126,10 +126,15 @@ class Links:
         return None
 
     def open(
-        self, creds: tuple[int, int, int], groups: frozenset[int], fd: int, cancel: trio.CancelScope
+        self,
+        creds: tuple[int, int, int],
+        groups: frozenset[int],
+        fd: int,
+        cancel: trio.CancelScope,
+        scope: str | None = None,
     ) -> ClientLink:
         pid, uid, gid = creds
-        conn = ClientLink(next(self._client_ids), pid, uid, gid, groups, fd, cancel, self.now())
+        conn = ClientLink(next(self._client_ids), pid, uid, gid, groups, fd, cancel, self.now(), scope=scope)
         self.connections[conn.client_id] = conn
         self.per_uid[uid] += 1
         self.metrics.node.clients.set(len(self.connections))

@@ -56,6 +56,9 @@ class ClientLink:
     greeted: bool = False
     sessions: dict[int, int] = field(default_factory=dict)  # session or lease -> gpu index
     protocol_errors: Counter[str] = field(default_factory=Counter)
+    # The task whose own socket it came in on (OPEN_TASK_SOCKET): it is that task's, whoever its peer
+    # is, and never an admin (gpud.core.scopes says what it may ask).
+    scope: str | None = None
 
 
 @dataclass(eq=False)

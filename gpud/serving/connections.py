@@ -67,7 +67,8 @@ def peer_groups(sock: Any) -> frozenset[int]:
     return frozenset()
 
 
-async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
+async def serve_connection(daemon: Daemon, stream: trio.SocketStream, task: str | None = None) -> None:
+    """``task``: the task whose own socket it came in on (OPEN_TASK_SOCKET): the connection is that task's."""
     sock = stream.socket
     try:
         creds, groups = peer_credentials(sock), peer_groups(sock)
@@ -78,7 +79,7 @@ async def serve_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
         await _refuse_connection(daemon, stream, creds, *refusal)
         return
     with trio.CancelScope() as scope:  # cancelled by Links.drop: closed at once
-        conn = daemon.links.open(creds, groups, sock.fileno(), scope)
+        conn = daemon.links.open(creds, groups, sock.fileno(), scope, task)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_write_loop, daemon, conn, stream)

@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 import stat
+from collections.abc import Callable
 from typing import Literal
 
 import structlog
@@ -117,9 +118,12 @@ async def open_listener(
     return trio.SocketListener(sock), own
 
 
-async def accept_loop(daemon: Daemon, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-    """Accept connections for ever. Out of descriptors or memory: the clients already
-    connected go on being served, and accepting resumes once there is room again."""
+async def accept_loop(
+    daemon: Daemon, listener: trio.SocketListener, nursery: trio.Nursery, scope: str | None = None
+) -> None:
+    """Accept connections for ever (on a task's own socket: each of them that task's). Out of
+    descriptors or memory: the clients already connected go on being served, and accepting resumes
+    once there is room again."""
     while True:
         try:
             stream = await listener.accept()
@@ -128,14 +132,61 @@ async def accept_loop(daemon: Daemon, listener: trio.SocketListener, nursery: tr
             daemon.faults.often("accept_failed", error=str(exc))
             await trio.sleep(_ACCEPT_BACKOFF_S)
             continue
-        nursery.start_soon(_serve_and_close, daemon, stream)
+        nursery.start_soon(_serve_and_close, daemon, stream, scope)
 
 
-async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream) -> None:
+async def _serve_and_close(daemon: Daemon, stream: trio.SocketStream, scope: str | None = None) -> None:
     try:
-        await serve_connection(daemon, stream)
+        await serve_connection(daemon, stream, scope)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+class TaskListener:
+    """One task's own socket (OPEN_TASK_SOCKET), accepting in the daemon's task group until closed;
+    closing removes the socket file if it is still the one bound."""
+
+    def __init__(self, own: OwnSocket, cancel: trio.CancelScope) -> None:
+        self.own = own
+        self.cancel = cancel
+
+    def close(self) -> None:
+        self.cancel.cancel()
+        self.own.remove()
+
+
+def task_listen(daemon: Daemon, nursery: trio.Nursery) -> Callable[[str, str], TaskListener]:
+    """How the task sockets part listens: bind ``path`` (a stale socket there is removed, a live one
+    refused), open to every uid that can reach its directory, and accept as ``task_id``'s."""
+
+    def listen(path: str, task_id: str) -> TaskListener:
+        try:
+            _claim_socket_path(path)
+        except RuntimeError as exc:
+            raise OSError(errno.EEXIST, str(exc)) from None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o666)  # whoever reaches the directory: the directory is the gate
+            sock.listen(512)
+        except OSError:
+            sock.close()
+            raise
+        own = OwnSocket(path)
+        cancel = trio.CancelScope()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+        async def accept() -> None:
+            with cancel:
+                try:
+                    await accept_loop(daemon, listener, nursery, task_id)
+                finally:
+                    await trio.aclose_forcefully(listener)
+
+        nursery.start_soon(accept)
+        return TaskListener(own, cancel)
+
+    return listen
 
 
 async def serve(
@@ -147,17 +198,33 @@ async def serve(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``socket_path``, ``socket_from``: the socket ``ready`` names (``socket_origin``), else ``config.socket``."""
-    async with trio.open_nursery() as nursery:
-        for slot in daemon.slots:
-            nursery.start_soon(run_timer, daemon, slot)
-        nursery.start_soon(run_allocations_timer, daemon)
-        nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
-        nursery.start_soon(accept_loop, daemon, listener, nursery)
-        log.info(
-            "ready",
-            socket=daemon.config.socket if socket_path is None else socket_path,
-            socket_from=socket_from,
-            gpus=len(daemon.slots),
-            max_connections=daemon.links.max_connections,
-        )
-        task_status.started()
+    try:
+        async with trio.open_nursery() as nursery:
+            daemon.task_sockets.listen = task_listen(daemon, nursery)
+            await _serve_in(daemon, listener, nursery, socket_path, socket_from, task_status)
+    finally:
+        daemon.task_sockets.listen = None
+        daemon.task_sockets.close_all()  # their files: a socket nobody serves is a stale one
+
+
+async def _serve_in(
+    daemon: Daemon,
+    listener: trio.SocketListener,
+    nursery: trio.Nursery,
+    socket_path: str | None,
+    socket_from: SocketFrom,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    for slot in daemon.slots:
+        nursery.start_soon(run_timer, daemon, slot)
+    nursery.start_soon(run_allocations_timer, daemon)
+    nursery.start_soon(run_monitor, daemon, sampler_for(daemon.gpus))
+    nursery.start_soon(accept_loop, daemon, listener, nursery)
+    log.info(
+        "ready",
+        socket=daemon.config.socket if socket_path is None else socket_path,
+        socket_from=socket_from,
+        gpus=len(daemon.slots),
+        max_connections=daemon.links.max_connections,
+    )
+    task_status.started()

@@ -34,10 +34,12 @@ from gpud.capabilities.leases import Leases
 from gpud.capabilities.locks import Locks
 from gpud.capabilities.runs import Runs
 from gpud.capabilities.status import Status
+from gpud.capabilities.task_sockets import TaskSockets
 from gpud.core.errors import Refused
 from gpud.core.ledger import UNIT
 from gpud.core.quota import QuotaConfig
 from gpud.core.scheduler import GpuScheduler, SchedulerConfig
+from gpud.core.scopes import check_scoped, scoped_attach
 from gpud.host.config import Config
 from gpud.host.devices import Gpu
 from gpud.host.metrics import Metrics, session_labels
@@ -100,7 +102,9 @@ class Daemon:
         self.handlers: dict[type, Handler] = {p.Hello: self.hello, p.Relabel: self.relabel}
         # gpuctl run's programs: their cgroups, frozen and thawed by gpud (docs/run.md)
         self.runs = Runs(self.links, metrics, self.faults, lambda: self.config, clock, lambda: self.shutting_down)
-        for part in (self.locks, self.leases, self.allocations, self.admin, self.status, self.runs):
+        # sockets of one task's own (gpud-k8s's claims): listened on by the runtime (serving.listener)
+        self.task_sockets = TaskSockets(self.links, self.access)
+        for part in (self.locks, self.leases, self.allocations, self.admin, self.status, self.runs, self.task_sockets):
             self.handlers.update(part.handlers())
 
     def wake_allocations(self) -> None:
@@ -117,6 +121,10 @@ class Daemon:
         handler = self.handlers.get(type(msg))
         if handler is None:
             raise Refused(p.ErrorCode.UNKNOWN_TYPE, f"unhandled message {type(msg).__name__}")
+        if conn.scope is not None:  # a connection on a task's own socket: what it may ask (core.scopes)
+            check_scoped(conn.scope, msg)
+            if isinstance(msg, p.Attach):
+                msg = scoped_attach(conn.scope, msg)
         self.effects.run_after_answer()  # an earlier request's, when its caller sent no answer (tests)
         return handler(conn, msg, self.now())
 

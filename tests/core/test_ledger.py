@@ -377,3 +377,48 @@ def test_withdrawing_a_wait_serves_no_one() -> None:
     led.allocate(req("b", 1, wait_us=10 * MS), 0)
     assert led.release("b", 1) == (None, [])
     assert led.waiting() == []
+
+
+def test_strategy_only_places_on_the_named_gpus_or_nowhere() -> None:
+    led = node(gpus=4)
+    a = led.allocate(req("a", 0.25, prefer=(2,), strategy=Strategy.ONLY), 0)
+    assert a is not None and a.gpus == (2,), "not GPU 0, which first fit would take"
+    b = led.allocate(req("b", 2, prefer=(3, 1), strategy=Strategy.ONLY), 0)
+    assert b is not None and b.gpus == (1, 3)
+    led.drain(0, True, 0)
+    before = state_of(led)
+    with pytest.raises(Insufficient, match=r"GPUs \[2\] are not entirely free: strategy only places on \[2\] alone"):
+        led.allocate(req("c", 1, prefer=(2,), strategy=Strategy.ONLY), 0)
+    with pytest.raises(Insufficient, match=r"on \[1\] alone \(strategy only\), the most free there is 0"):
+        led.allocate(req("d", 0.5, prefer=(1,), strategy=Strategy.ONLY), 0)
+    with pytest.raises(Insufficient, match=r"GPUs \[0\] take nothing new now"):
+        led.allocate(req("e", 0.5, prefer=(0,), strategy=Strategy.ONLY), 0)
+    assert state_of(led) == before, "refused: nothing changed"
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (req("x", 0.5, strategy=Strategy.ONLY), "name them"),
+        (req("x", 2, prefer=(0,), strategy=Strategy.ONLY), "names as many in prefer, not 1"),
+        (req("x", 1, prefer=(0,), strategy=Strategy.ONLY, wait_us=1000), "does not wait"),
+        (req("x", 1, prefer=(0,), strategy=Strategy.ONLY, gpus_max=2), "elastic range"),
+    ],
+)
+def test_strategy_only_refuses_what_it_cannot_place_exactly(request_: Request, message: str) -> None:
+    with pytest.raises(Refused, match=message) as info:
+        node().allocate(request_, 0)
+    assert info.value.code == ErrorCode.INVALID
+
+
+def test_a_fractions_memory_ceiling_is_one_of_its_terms() -> None:
+    led = node()
+    a = led.allocate(req("a", 0.25, memory_bytes=4 << 30), 0)
+    assert a is not None and a.memory_bytes == 4 << 30
+    assert led.allocate(req("a", 0.25, memory_bytes=4 << 30), 0) is a, "the same terms: the same allocation"
+    with pytest.raises(
+        Refused, match="already holds .*4294967296 bytes of memory; this request asks for its share's memory"
+    ):
+        led.allocate(req("a", 0.25), 0)
+    with pytest.raises(Refused, match="memory_bytes is a fraction's memory ceiling"):
+        led.allocate(req("b", 1, memory_bytes=4 << 30), 0)

@@ -65,6 +65,14 @@ def nvmlDeviceGetUUID(h: int) -> str:
     return _gpu(h)["uuid"]
 
 
+def nvmlDeviceGetPciInfo(h: int) -> SimpleNamespace:
+    """A GPU's ``"pci"`` entry as its bus id (as NVML gives it: bytes); without one, NVML's error."""
+    gpu = _gpu(h)
+    if "pci" not in gpu:
+        raise NVMLError("Not Supported")
+    return SimpleNamespace(busId=gpu["pci"].encode())
+
+
 def nvmlDeviceGetMemoryInfo(h: int) -> SimpleNamespace:
     g = _gpu(h)
     return SimpleNamespace(total=g["total"], used=g.get("used", 0), free=g["total"] - g.get("used", 0))

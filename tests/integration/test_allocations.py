@@ -19,6 +19,7 @@ import pytest
 
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import AsyncClient, Client, ProtocolError
+from gpud_client import protocol as p
 
 
 def gpuctl(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -169,3 +170,19 @@ def test_the_asyncio_client_allocates_too(daemon: DaemonProcess) -> None:
             assert (await c.allocations()).allocations == []
 
     asyncio.run(main())
+
+
+def test_a_fractions_memory_ceiling_survives_a_restart_and_caps_its_sessions(
+    daemon_factory: Callable[..., DaemonProcess],
+) -> None:
+    d = daemon_factory("--simulate", "2x16GiB")
+    with Client(d.socket) as c:
+        assert c.allocate("mem", gpus=0.25, prefer=[1], memory_bytes=3 * 2**30).memory_bytes == 3 * 2**30
+        assert c.allocate("share", gpus=0.25).memory_bytes == 4 * 2**30, "none asked: its share of the GPU's"
+    d.stop(signal.SIGKILL)
+    d.start()
+    with Client(d.socket) as c:
+        alloc = {a.task_id: a for a in c.allocations().allocations}["mem"]
+        assert alloc.memory_bytes == 3 * 2**30
+        attached = c.call(p.Attach(id=0, gpu=1, task_id="mem"))
+        assert (attached.core_limit, attached.mem_limit) == (25, 3 * 2**30)

@@ -375,7 +375,8 @@ def test_uninstall_takes_back_every_file_install_made(staged: Path, tmp_path: Pa
 
 
 def test_the_demo_installs_neither_ray_nor_airflow_nor_the_test_tools() -> None:
-    """`make demo` on a fresh checkout installs gpud and its client; the tests' extras come with `make test`."""
+    """`make demo` on a fresh checkout installs gpud and its client; the tests' extras (and the Kubernetes
+    agent's, which the tests run) come with `make test`."""
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         ["make", "-n", "--always-make", "-C", str(root), "demo"],
@@ -385,7 +386,7 @@ def test_the_demo_installs_neither_ray_nor_airflow_nor_the_test_tools() -> None:
         env={**os.environ, "MAKEFLAGS": ""},
     )
     installs = [line for line in out.stdout.splitlines() if "pip install" in line]
-    assert installs and not any(x in line for line in installs for x in ("ray", "airflow", "[test]")), installs
+    assert installs and not any(x in line for line in installs for x in ("ray", "airflow", "test", "k8s")), installs
     test = subprocess.run(
         ["make", "-n", "--always-make", "-C", str(root), "test"],
         capture_output=True,
@@ -393,4 +394,4 @@ def test_the_demo_installs_neither_ray_nor_airflow_nor_the_test_tools() -> None:
         check=True,
         env={**os.environ, "MAKEFLAGS": ""},
     ).stdout
-    assert "'./client[ray,airflow]'" in test and "'.[test]'" in test
+    assert "'./client[ray,airflow]'" in test and "'.[test,k8s]'" in test

@@ -297,6 +297,8 @@ class Allocations(Part):
             fits = len(got.gpus) == 1 and share == want
         else:
             fits = got.gpus == () and share == 0
+        if isinstance(m, p.Allocate) and m.strategy == p.Strategy.ONLY:
+            fits = fits and set(got.gpus) <= set(m.prefer)  # exactly where it was told, or refused
         history = self.history.pop(msg.task_id, (0, False))
         why = ""
         if not (fits and len(set(got.gpus)) == len(got.gpus)):
@@ -605,6 +607,10 @@ class Allocations(Part):
             bad_shape = True
         if bad_shape:
             return p.ErrorCode.INVALID, ""
+        if msg.strategy == p.Strategy.ONLY:  # the GPUs named, as many as whole ones asked; no wait, no range
+            named = len(set(msg.prefer))
+            if not named or (gpus >= UNIT and gpus // UNIT != named) or msg.gpus_max is not None or msg.wait_ms:
+                return p.ErrorCode.INVALID, "strategy only"
         if msg.tenant == "nope":
             return p.ErrorCode.UNKNOWN_TENANT, ""
         return None, ""

@@ -63,6 +63,7 @@ def allocate_msg(
     gpus_max: int | None = None,
     protected: bool = False,
     notify: bool = True,
+    memory_bytes: int | None = None,
 ) -> p.Allocate:
     level = priority if isinstance(priority, int) else None
     klass = p.PriorityClass(priority) if isinstance(priority, str) else None
@@ -82,6 +83,7 @@ def allocate_msg(
         gpus_max=gpus_max,
         protected=protected,
         notify=notify,
+        memory_bytes=memory_bytes,
     )
 
 

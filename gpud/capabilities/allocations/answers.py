@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpud.core.authority import fraction_ceilings
 from gpud.core.ledger import UNIT, Allocation, Ledger
 from gpud.host.config import Config
 from gpud.kit.state import GpuSlot
@@ -56,7 +57,14 @@ class Answers:
             resume=alloc.resume,
             preemptions=alloc.preemptions,
             preemption_grace_s=self.config.preemption_grace_s,
+            memory_bytes=self._memory(alloc),
         )
+
+    def _memory(self, alloc: Allocation) -> int | None:
+        """A fraction's memory ceiling for its sessions (whole GPUs: none)."""
+        if not alloc.gpus or alloc.share >= UNIT:
+            return None
+        return fraction_ceilings(alloc, alloc.gpus[0], self.slots[alloc.gpus[0]].gpu.memory_total_bytes)[1]
 
     def listing(self, rid: int, after: str | None = None, limit: int = p.ALLOCS_PAGE) -> p.AllocationsReply:
         """One page: at most ``limit`` allocations after task id ``after``, built in O(limit) however
@@ -106,4 +114,37 @@ class Answers:
             cpus_total=self.ledger.cpu_count,
             cpus_free=self.ledger.cpus_free(),
             tenants=tenants,
+        )
+
+    def own(self, rid: int, task_id: str) -> p.AllocationsReply:
+        """What a connection on ``task_id``'s own socket is shown: its allocation alone (running or
+        suspended), and of the node only the GPUs' totals."""
+        alloc = self.ledger.get(task_id)
+        state = None
+        if alloc is None and (alloc := self.ledger.suspended_of(task_id)) is not None:
+            state = p.AllocState.SUSPENDED
+        gpus = [
+            p.GpuAllocationSummary(
+                index=slot.gpu.index,
+                uuid=slot.gpu.uuid,
+                allocated=(UNIT - (free := self.ledger.gpu_free(slot.gpu.index))) / UNIT,
+                free=free / UNIT,
+                tasks={task_id: min(alloc.share, UNIT) / UNIT}
+                if alloc and state is None and slot.gpu.index in alloc.gpus
+                else {},
+            )
+            for slot in self.slots
+        ]
+        return p.AllocationsReply(
+            id=rid,
+            allocations=[] if alloc is None else [self.answer(0, alloc, 0.0, state)],
+            total=0 if alloc is None else 1,
+            next_after=None,
+            waiting=[],
+            waiters=[],
+            draining=sorted(self.ledger.draining()),
+            gpus=gpus,
+            cpus_total=self.ledger.cpu_count,
+            cpus_free=self.ledger.cpus_free(),
+            tenants={},
         )

@@ -11,22 +11,13 @@ import structlog
 from gpud.capabilities.allocations.answers import Answers
 from gpud.capabilities.allocations.durable import Durable
 from gpud.capabilities.allocations.reaping import Reaper
+from gpud.capabilities.allocations.settings import preemption_config, tenant_quotas
 from gpud.capabilities.allocations.tasks import TaskBook
 from gpud.capabilities.allocations.telling import Telling, made
 from gpud.core.authority import Members, check_may_free, check_task_owner, check_tenant, owning_allocation
 from gpud.core.contacts import Waiter
 from gpud.core.errors import LimitReached, Refused
-from gpud.core.ledger import (
-    UNIT,
-    Allocation,
-    GpuSpec,
-    Insufficient,
-    Ledger,
-    PreemptionConfig,
-    Request,
-    TenantQuota,
-    to_fixed,
-)
+from gpud.core.ledger import UNIT, Allocation, GpuSpec, Insufficient, Ledger, Request, to_fixed
 from gpud.host.config import Config
 from gpud.host.owners import Kind, TaskOwners
 from gpud.host.procs import Held, Signals
@@ -61,10 +52,10 @@ class Allocations(Part):
         self.ledger = Ledger(
             specs,
             cpus,
-            tenants=_quotas(config),
+            tenants=tenant_quotas(config),
             seed=int.from_bytes(os.urandom(4), "big"),
             max_waiters=config.max_allocation_waiters,
-            preemption=_preemption(config),
+            preemption=preemption_config(config),
         )
         signals = Signals(lambda sig, why: self.metrics.node.signals_sent.labels(sig, why).inc())
         self.owners = TaskOwners(signals)
@@ -114,7 +105,9 @@ class Allocations(Part):
         self.config = self.answers.config = self.telling.config = config
         self.reaper.crash_grace_us = round(config.crash_grace_s * 1e6)
         self.ledger.reconfigure(
-            tenants=_quotas(config), max_waiters=config.max_allocation_waiters, preemption=_preemption(config)
+            tenants=tenant_quotas(config),
+            max_waiters=config.max_allocation_waiters,
+            preemption=preemption_config(config),
         )
 
     def session_allocation(self, conn: ClientLink, named: str | None, gpu: int) -> Allocation | None:
@@ -142,6 +135,8 @@ class Allocations(Part):
         }
 
     def allocate(self, conn: ClientLink, msg: p.Allocate, now: int) -> p.Allocated | None:
+        if conn.scope is not None:
+            return self._hold_scoped(conn, msg)
         existing = self.ledger.get(msg.task_id)
         suspended = self.ledger.suspended_of(msg.task_id) is not None
         waiting = self.book.waiter(msg.task_id) is not None
@@ -202,6 +197,7 @@ class Allocations(Part):
             on_preempt=msg.on_preempt,
             gpus_max=msg.gpus_max or 0,
             protected=msg.protected,
+            memory_bytes=msg.memory_bytes,
         )
         cp = self.ledger.checkpoint()
         try:
@@ -231,6 +227,19 @@ class Allocations(Part):
         self.book.hold(msg.task_id, conn, msg.notify)
         self.telling.counted("granted" if existing is None else "repeated")
         return self.answers.answer(msg.id, alloc, 0.0)
+
+    def _hold_scoped(self, conn: ClientLink, msg: p.Allocate) -> p.Allocated:
+        """ALLOCATE (existing) on a task's own socket: its allocation as it is, whatever terms the
+        request carries (they are the claim's, not the container's), held by this connection from
+        now on (told of its preemption, if it listens)."""
+        task_id = msg.task_id  # (the socket's task: gpud.core.scopes)
+        running = self.ledger.get(task_id)
+        held = running or self.ledger.suspended_of(task_id)
+        if held is None:
+            raise Refused(p.ErrorCode.UNKNOWN_TASK, f"task {task_id!r} holds no allocation (its claim was unprepared?)")
+        self.book.hold(task_id, conn, msg.notify)
+        self.telling.counted("repeated")
+        return self.answers.answer(msg.id, held, 0.0, None if running else p.AllocState.SUSPENDED)
 
     def _check_caps(self, conn: ClientLink, msg: p.Allocate) -> None:
         """What one uid may make the daemon hold (docs/security.md; counted as every cap is, by the
@@ -308,6 +317,8 @@ class Allocations(Part):
 
     def list_allocations(self, conn: ClientLink, msg: p.ListAllocations, now: int) -> p.AllocationsReply:
         self.advance(now)
+        if conn.scope is not None:  # on a task's own socket: that task's allocation alone
+            return self.answers.own(msg.id, conn.scope)
         return self.answers.listing(msg.id, msg.after, msg.limit or p.ALLOCS_PAGE)
 
     def reset(self, conn: ClientLink, msg: p.ResetAllocations, now: int) -> p.Ok:
@@ -444,6 +455,8 @@ class Allocations(Part):
         return None if t is None else Members(frozenset(t.uids), frozenset(t.gids))
 
     def _check_owner(self, conn: ClientLink, task_id: str, what: str) -> None:
+        if conn.scope is not None and conn.scope == task_id:
+            return  # a connection on the task's own socket is the task's, whatever its uid
         owner = self.uids.get(task_id)
         if owner is None and (waiter := self.book.waiter(task_id)) is not None:
             owner = waiter.conn.uid
@@ -453,6 +466,8 @@ class Allocations(Part):
         check_tenant(tenant, self._members(tenant), conn.uid, conn.gid, admin=self.access.is_admin(conn))
 
     def _check_may_free(self, conn: ClientLink, alloc: Allocation) -> None:
+        if conn.scope is not None and conn.scope == alloc.task_id:
+            return  # (YIELD on the task's own socket; FREE is not served there: gpud.core.scopes)
         check_may_free(
             alloc.task_id,
             self.uids.get(alloc.task_id),
@@ -462,20 +477,3 @@ class Allocations(Part):
             conn.gid,
             admin=self.access.is_admin(conn),
         )
-
-
-def _preemption(config: Config) -> PreemptionConfig:
-    return PreemptionConfig(
-        grace_us=round(config.preemption_grace_s * 1e6),
-        min_runtime_us=round(config.preemption_min_runtime_s * 1e6),
-        strategy=config.preemption_strategy,
-        cooldown_us=round(config.preemption_cooldown_s * 1e6),
-        elastic_cooldown_us=round(config.elastic_cooldown_s * 1e6),
-        elastic_window_us=round(config.elastic_window_s * 1e6),
-        busy_percent=config.elastic_busy_percent,
-        enabled=config.preemption,
-    )
-
-
-def _quotas(config: Config) -> dict[str, TenantQuota]:
-    return {name: TenantQuota(to_fixed(t.gpus), to_fixed(t.borrow)) for name, t in config.tenants.items()}

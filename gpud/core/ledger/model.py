@@ -60,6 +60,7 @@ class Request:
     gpus_max: int = 0  # elastic: at most this many whole GPUs (``gpus`` is the minimum); 0: not elastic
     protected: bool = False
     pinned: tuple[int, ...] = ()  # a suspended allocation waits for exactly these GPUs
+    memory_bytes: int | None = None  # a fraction's memory ceiling for its sessions (None: its share's)
 
 
 class Allocation(msgspec.Struct, frozen=True, gc=False):
@@ -81,6 +82,7 @@ class Allocation(msgspec.Struct, frozen=True, gc=False):
     preemptions: int = 0  # how often this task was preempted
     resume: bool = False  # its last preemption asked it to checkpoint: this start resumes
     changed_us: int = 0  # its last elastic change
+    memory_bytes: int | None = None  # a fraction's memory ceiling for its sessions (None: its share's)
 
     @property
     def total(self) -> int:
@@ -153,6 +155,7 @@ _TERM_TEXT: dict[str, Callable[[Any], str]] = {
     "owner_pid": lambda v: "no owner pid" if v is None else f"owner pid {v}",
     "on_preempt": lambda v: f"on_preempt {v}",
     "gpus_max": lambda v: "no elastic range" if not v else f"at most {v} GPUs",
+    "memory_bytes": lambda v: "its share's memory" if v is None else f"{v} bytes of memory",
 }
 
 
@@ -166,6 +169,7 @@ def terms(x: Request | Allocation) -> dict[str, Any]:
             "owner_pid": x.owner_pid,
             "on_preempt": x.on_preempt,
             "gpus_max": x.gpus_max,
+            "memory_bytes": x.memory_bytes,
         }
     return {
         "gpus": x.gpus,
@@ -175,6 +179,7 @@ def terms(x: Request | Allocation) -> dict[str, Any]:
         "owner_pid": x.owner_pid,
         "on_preempt": x.on_preempt,
         "gpus_max": x.gpus_max,
+        "memory_bytes": x.memory_bytes,
     }
 
 

@@ -64,9 +64,33 @@ def validate(st: LedgerState, req: Request) -> None:
                 ErrorCode.UNKNOWN_GPU,
                 f"unknown GPU {g} in prefer (this node has GPUs " + ", ".join(map(str, st.gpus)) + ")",
             )
+    if req.memory_bytes is not None and not 0 < req.gpus < UNIT:
+        raise Refused(ErrorCode.INVALID, "memory_bytes is a fraction's memory ceiling: ask for a fraction of one GPU")
+    if req.strategy == Strategy.ONLY:
+        check_only(req)
     if req.tenant is not None and req.tenant not in st.tenants:
         known = ", ".join(sorted(st.tenants)) or "none configured"
         raise Refused(ErrorCode.UNKNOWN_TENANT, f"unknown tenant {req.tenant!r} (tenants: {known})")
+
+
+def check_only(req: Request) -> None:
+    """Strategy ``only``: a scheduler (Kubernetes') chose the GPUs already; gpud places there or refuses.
+    So the GPUs are named, as many as whole GPUs are asked (a fraction: of one of them), and it does
+    not wait (what placed it counted them free) nor grow."""
+    named = len(set(req.prefer))
+    if not named:
+        raise Refused(ErrorCode.INVALID, "strategy only places on the GPUs named in prefer: name them")
+    if req.gpus >= UNIT and req.gpus // UNIT != named:
+        raise Refused(
+            ErrorCode.INVALID,
+            f"strategy only with {req.gpus // UNIT} whole GPU(s) names as many in prefer, not {named}",
+        )
+    if req.gpus_max:
+        raise Refused(ErrorCode.INVALID, "strategy only places exactly: an elastic range cannot go with it")
+    if req.wait_us:
+        raise Refused(
+            ErrorCode.INVALID, "strategy only does not wait: the scheduler that chose the GPUs found them free"
+        )
 
 
 def place(st: LedgerState, req: Request, now: int, suspended: Allocation | None = None) -> Allocation:
@@ -93,6 +117,7 @@ def place(st: LedgerState, req: Request, now: int, suspended: Allocation | None 
         preemptions=pre,
         resume=resume,
         changed_us=now,
+        memory_bytes=req.memory_bytes,
     )
     if suspended is not None:  # the same allocation, its devices back
         alloc = structs.replace(suspended, cpus=tuple(cpus), changed_us=now)
@@ -189,6 +214,8 @@ def open_gpus(st: LedgerState, req: Request) -> list[int]:
     """The GPUs a request may be placed on: not draining, its own when it is pinned, and not
     kept for a waiter of its priority or higher whose victim gave them back (so what a
     preemption freed is not taken by whoever comes next while the rest of it runs)."""
+    if not (st.draining or st.reserved or req.pinned):
+        return list(st.gpus)  # (the common call: none drains, none is kept, the request is not pinned)
     return [
         g for g in st.gpus if g not in st.draining and (not req.pinned or g in req.pinned) and not kept_from(st, g, req)
     ]
@@ -208,6 +235,8 @@ def waits_at(st: LedgerState, priority: int, *, but: str = "") -> bool:
 def choose_gpus(st: LedgerState, req: Request) -> list[int]:
     gpus = open_gpus(st, req)
     free = st.free
+    if req.strategy == Strategy.ONLY:  # exactly the GPUs named, or nothing
+        return only_gpus(st, req, gpus)
     if req.pinned:
         if len(gpus) < len(req.pinned) or any(free[g] < min(req.gpus, UNIT) for g in gpus):
             raise Insufficient("gpus", f"waits for its own GPUs {list(req.pinned)} to be free again")
@@ -227,10 +256,32 @@ def choose_gpus(st: LedgerState, req: Request) -> list[int]:
         raise Insufficient("gpus", f"{req.gpus / UNIT:g} of one GPU asked, the most free on any GPU is {most / UNIT:g}")
     partly = [g for g in fits if free[g] < UNIT]
     entirely = [g for g in fits if free[g] == UNIT]
+    if not req.prefer and req.strategy == Strategy.FIRST_FIT:
+        return [min(partly or entirely)]  # (``order``'s first, without sorting: the common request)
     preferred = [g for g in fits if g in req.prefer]
     if preferred:
         return [order(st, preferred, req)[0]]
     return [(order(st, partly, req) or order(st, entirely, req))[0]]
+
+
+def only_gpus(st: LedgerState, req: Request, open_to_it: list[int]) -> list[int]:
+    named = sorted(set(req.prefer))
+    closed = [g for g in named if g not in open_to_it]
+    if closed:
+        raise Insufficient("gpus", f"GPUs {closed} take nothing new now (drained, or kept for a waiter): strategy only")
+    if req.gpus >= UNIT:
+        busy = [g for g in named if st.free[g] < UNIT]
+        if busy:
+            raise Insufficient("gpus", f"GPUs {busy} are not entirely free: strategy only places on {named} alone")
+        return named
+    fits = [g for g in named if st.free[g] >= req.gpus]
+    if not fits:
+        most = max(st.free[g] for g in named)
+        raise Insufficient(
+            "gpus",
+            f"{req.gpus / UNIT:g} of one GPU asked on {named} alone (strategy only), the most free there is {most / UNIT:g}",
+        )
+    return [fits[0]]
 
 
 def choose_cpus(st: LedgerState, count: int, gpus: list[int]) -> list[int]:
