@@ -249,14 +249,6 @@ class Ledger:
         first = st.index.first_immunity()  # victims are chosen among all who may be: no rest left to forget
         return effects + takeback.plan(st, now, choose=first is None or first > now)
 
-    def reach_matters(self) -> bool:
-        """Whether a task that someone can be told about from now on (``reachable``) may change what
-        ``advance`` does at once: a GPU drains, a request or a suspended allocation waits (it may take
-        the task back), or an elastic allocation may give back what idles. False: nothing is due
-        because of it, and the shell need not wake its timer."""
-        st = self.state
-        return bool(st.draining or st.waiting or st.index.elastic)
-
     def next_deadline(self) -> int | None:
         st = self.state
         if not (st.waiting or st.notices or st.immune or st.grow_since or st.draining or _busy(st)):
