@@ -153,15 +153,7 @@ class JDict(dict[K, V]):
 
     def _drop(self, key: K) -> None:
         """Delete ``key``, which is there."""
-        j = self._journal  # (``_note``, inline)
-        if not j._dirty:
-            j.changing()
-        if j._recording:
-            saved = self._saved
-            if key not in saved:
-                if not saved:
-                    j._touched.append(self)
-                saved[key] = dict.__getitem__(self, key)
+        self._note(key)
         dict.__delitem__(self, key)
         if self._hook is not None:
             self._hook(key)
