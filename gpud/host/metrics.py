@@ -1,19 +1,21 @@
 """Every Prometheus metric of the daemon, in one class on one registry.
 
 Names follow Prometheus conventions (``gpud_`` prefix, base units). Labels
-are bounded: gpu, task_type, status, reason; never a client, job or lease id.
+are bounded: gpu, task_type, status, reason, tenant (configured tenants only);
+never a client, job or lease id (but on the per-session gauges).
 The ``gpu`` label is the index, as dcgm-exporter's is, so the two can be
 joined. The shell calls these methods as it carries out the core's effects;
 the core itself never sees a metric.
 
 Every label value known in advance (GPUs, reasons, codes, message types, caps,
-configured task types) gets its series at start (``prime``), as Prometheus
+configured task types and tenants) gets its series at start (``prime``), as Prometheus
 advises: series exist from the first scrape, and what clients send later adds
 none (only the per-session gauges, which go with their sessions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -49,9 +51,17 @@ CAPS = (
 SIGNALS = ("SIGTERM", "SIGKILL")
 SIGNAL_WHYS = ("preempt_notice", "preempt_grace_over")
 DROPPED = ("too_slow", "peer_gone", "no_hello", "task_socket_closed")
+# Why gpud takes an allocation back (``lost`` is the client library's word, never gpud's).
+PREEMPT_REASONS = tuple(str(r) for r in p.PreemptReason if r != p.PreemptReason.LOST)
+ALLOCATION_RESULTS = ("granted", "repeated", "insufficient", "withdrawn")
+# A task told to leave after it was taken back this many times already (without ending in between)
+# is counted in gpud_preemptions_repeated_total: the same work taken back again and again.
+REPEATED_AFTER = 2
 
 # Lease waits and holds of inference calls: from sub-millisecond to a minute.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Allocation waits: at once, or behind a victim's grace (30 s by default), up to an hour's queue.
+_ALLOCATION_WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
 class Metrics:
@@ -113,6 +123,20 @@ class Metrics:
         for sig in SIGNALS:
             for why in SIGNAL_WHYS:
                 n.signals_sent.labels(sig, why)
+        for result in ALLOCATION_RESULTS:
+            n.allocation_requests.labels(result)
+        for reason in PREEMPT_REASONS:
+            n.preemption_overruns.labels(reason)
+            n.preemptions_repeated.labels(reason)
+
+    def prime_allocations(self, strategy: str, tenants: Iterable[str]) -> None:
+        """The allocations' series whose labels come from the configuration (at start and at a reload):
+        a first preemption or wait then moves a series from 0, which ``rate`` and ``increase`` see."""
+        n = self.node
+        for reason in PREEMPT_REASONS:
+            n.preemptions.labels(reason, strategy)
+        for tenant in ("", *tenants):
+            n.allocation_wait.labels(tenant)
 
 
 def session_labels(gpu: int, session: int, client: str, pid: int) -> tuple[str, str, str, str]:
@@ -161,6 +185,12 @@ class NodeMetrics:
         self.session_memory_limit = Gauge(
             "gpud_session_memory_limit_bytes", "Memory limit (absent: none).", s, registry=registry
         )
+        self.session_share = Gauge(
+            "gpud_session_share_ratio",
+            "Share of the GPU's time billed to the session over its last finished windows (share_windows).",
+            s,
+            registry=registry,
+        )
         self.allocated = Gauge(
             "gpud_gpu_allocated_ratio", "Share of the GPU held by allocations.", g, registry=registry
         )
@@ -180,9 +210,44 @@ class NodeMetrics:
             ["reason"],
             registry=registry,
         )
+        self.preemptions_repeated = Counter(
+            "gpud_preemptions_repeated_total",
+            "Allocations told to leave whose task had been taken back twice or more already, without ending in"
+            " between (the same work taken back again and again), by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.allocations_grown = Counter(
+            "gpud_allocations_grown_total",
+            "Elastic allocations grown onto free GPUs (one per growth).",
+            registry=registry,
+        )
+        self.allocation_wait = Histogram(
+            "gpud_allocation_wait_seconds",
+            "Allocation request to grant (0: at once), by tenant (empty: none); a wait restored at start is not timed.",
+            ["tenant"],
+            buckets=_ALLOCATION_WAIT_BUCKETS,
+            registry=registry,
+        )
         self.suspended = Gauge(
             "gpud_allocations_suspended", "Allocations suspended, waiting for their GPUs.", registry=registry
         )
+        # Tenants are configured, so bounded; the monitor publishes them with the GPUs' gauges.
+        t = ["tenant"]
+        self.tenant_quota = Gauge("gpud_tenant_quota_gpus", "A tenant's quota, in GPUs.", t, registry=registry)
+        self.tenant_borrow_limit = Gauge(
+            "gpud_tenant_borrow_limit_gpus",
+            "The most a tenant may borrow of others' idle quota, in GPUs.",
+            t,
+            registry=registry,
+        )
+        self.tenant_allocated = Gauge(
+            "gpud_tenant_allocated_gpus",
+            "GPUs a tenant's allocations hold (fractions add up; suspended ones hold none).",
+            t,
+            registry=registry,
+        )
+        self.tenant_gauges = (self.tenant_quota, self.tenant_borrow_limit, self.tenant_allocated)
         self.parked = Gauge(
             "gpud_parked_bytes", "GPU memory of paused programs parked in host memory.", g, registry=registry
         )
@@ -212,10 +277,11 @@ class NodeMetrics:
             self.session_window_used,
             self.session_throttled,
             self.session_memory,
+            self.session_share,
             self.session_memory_limit,
         )
-        # A session's bound series of the first four, looked up once: labels() costs more than set()
-        self.session_children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
+        # A session's bound series of all but the memory limit, looked up once: labels() costs more than set()
+        self.session_children: dict[tuple[str, ...], tuple[Any, Any, Any, Any, Any]] = {}
         self.store_records_set_aside = Counter(
             "gpud_store_records_set_aside_total", "Stored allocations that could not be restored.", registry=registry
         )

@@ -1,4 +1,4 @@
-"""Periodic observation: NVML probes, GPU health, and the per-GPU and per-session gauges.
+"""Periodic observation: NVML probes, GPU health, and the per-GPU, per-tenant and per-session gauges.
 
 Each real GPU is read in a worker thread of its own (a probe), so a GPU whose
 NVML call hangs delays neither the other GPUs' readings, nor the gauges, nor the
@@ -253,6 +253,7 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
     suspended = daemon.allocations.ledger.suspended_count()
     m.allocations.set(daemon.allocations.ledger.allocation_count() - suspended)
     m.suspended.set(suspended)
+    _publish_tenants(daemon)
     children = m.session_children
     limits = _series(m.session_memory_limit)
     done, began = 0, time.perf_counter()
@@ -279,11 +280,13 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
                     m.session_window_used.labels(*labels),
                     m.session_throttled.labels(*labels),
                     m.session_memory.labels(*labels),
+                    m.session_share.labels(*labels),
                 )
             series[0].set(v.core_limit / 100)
             series[1].set(v.used_us / 1e6)
             series[2].set(1 if v.throttled else 0)
             series[3].set(v.mem_used or 0)
+            series[4].set(v.recent_share_percent / 100)
             if v.mem_limit is not None:
                 m.session_memory_limit.labels(*labels).set(v.mem_limit)
             elif labels in limits:
@@ -301,6 +304,19 @@ def _refresh(daemon: Daemon, per_step: int, step_s: float) -> Iterator[None]:
                 yield
             if gone in series_of and not _live(daemon, gone):
                 m.forget_session(cast("tuple[str, str, str, str]", gone))
+
+
+def _publish_tenants(daemon: Daemon) -> None:
+    """Each configured tenant's quota, borrowing limit and use; a tenant a reload removed loses its series."""
+    m = daemon.metrics.node
+    tenants = daemon.config.tenants
+    for name, t in tenants.items():
+        m.tenant_quota.labels(name).set(t.gpus)
+        m.tenant_borrow_limit.labels(name).set(t.borrow)
+        m.tenant_allocated.labels(name).set(daemon.allocations.ledger.tenant_usage(name) / UNIT)
+    for gauge in m.tenant_gauges:
+        for (name,) in [k for k in _series(gauge) if k[0] not in tenants]:
+            gauge.remove(name)
 
 
 def _live(daemon: Daemon, labels: tuple[str, ...]) -> bool:

@@ -63,6 +63,7 @@ class Allocations(Part):
         self.answers = Answers(self.ledger, self.slots, config, clock)
         self.telling = Telling(self.book, self.answers, self.links, self.metrics, config, self._wake)
         self.telling.register(self.effects)
+        self.telling.prime()
         try:
             self.store = Store(config.state_dir, sync=config.state_sync)
             self.durable = Durable(self.ledger, self.store, self.book, self.metrics, faults, clock, self._wake)
@@ -103,6 +104,7 @@ class Allocations(Part):
     def reconfigure(self, config: Config) -> None:
         """Tenants, their quotas and the waiter cap change live; allocations stay as they are."""
         self.config = self.answers.config = self.telling.config = config
+        self.telling.prime()
         self.reaper.crash_grace_us = round(config.crash_grace_s * 1e6)
         self.ledger.reconfigure(
             tenants=tenant_quotas(config),
@@ -225,7 +227,10 @@ class Allocations(Part):
             self.durable.sync(cp, f"task {msg.task_id!r} was not allocated", {msg.task_id: conn.uid}, owner)
             made(alloc)
         self.book.hold(msg.task_id, conn, msg.notify)
-        self.telling.counted("granted" if existing is None else "repeated")
+        if existing is None:
+            self.telling.granted(alloc, 0)
+        else:
+            self.telling.counted("repeated")
         return self.answers.answer(msg.id, alloc, 0.0)
 
     def _hold_scoped(self, conn: ClientLink, msg: p.Allocate) -> p.Allocated:

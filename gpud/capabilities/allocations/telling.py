@@ -14,7 +14,7 @@ from gpud.capabilities.allocations.tasks import TaskBook
 from gpud.core.contacts import Tell
 from gpud.core.ledger import UNIT, Allocation, Expired, Grown, Noticed, Served, TakenBack, Withdrawn, recovery_told
 from gpud.host.config import Config
-from gpud.host.metrics import Metrics
+from gpud.host.metrics import REPEATED_AFTER, Metrics
 from gpud.kit.effects import Effects
 from gpud.kit.links import Links
 from gpud_client import protocol as p
@@ -47,6 +47,15 @@ class Telling:
         allocation again), insufficient (at once, or when its wait ran out), withdrawn (a wait freed)."""
         self.metrics.node.allocation_requests.labels(result).inc()
 
+    def granted(self, alloc: Allocation, waited_us: int) -> None:
+        """A request granted, at once (0) or after the wait its connection made."""
+        self.counted("granted")
+        self.metrics.node.allocation_wait.labels(alloc.tenant or "").observe(max(0, waited_us) / 1e6)
+
+    def prime(self) -> None:
+        """The series named by the configuration (at start and after a reload)."""
+        self.metrics.prime_allocations(self.config.preemption_strategy, self.config.tenants)
+
     def answer_error(self, task_id: str, code: p.ErrorCode, message: str) -> None:
         """The wait of ``task_id`` ends unserved: its waiter, if a connection waits, is told why."""
         waiter = self.book.contacts.take_waiter(task_id)
@@ -63,11 +72,12 @@ class Telling:
                 change = p.AllocChanged(change="resumed", allocation=self.answers.answer(0, e.allocation, 0.0))
                 self.links.send(holder, change)
             return
-        self.counted("granted")
         waiter = self.book.contacts.served(task_id, now)
         if waiter is None:  # a wait restored from the store: its client asks again and is answered,
+            self.counted("granted")  # (how long it waited before the restart is not known)
             self.wake()  # else it is released after the crash grace (see the reaper)
             return
+        self.granted(e.allocation, now - waiter.since)
         self.book.reach(task_id)
         self.links.send(waiter.conn, self.answers.answer(waiter.rid, e.allocation, (now - waiter.since) / 1000))
 
@@ -92,6 +102,8 @@ class Telling:
             priority=a.priority,
         )
         self.metrics.node.preemptions.labels(n.reason, self.config.preemption_strategy).inc()
+        if a.preemptions >= REPEATED_AFTER:
+            self.metrics.node.preemptions_repeated.labels(n.reason).inc()
         tell, holder = self.book.contacts.notice(a.task_id, n.whole)
         if tell is Tell.HOLDER:
             assert holder is not None
@@ -147,6 +159,7 @@ class Telling:
     def grown(self, e: Grown, now: int) -> None:
         a = e.allocation
         log.info("allocation_grown", task_id=a.task_id, gpus=list(a.gpus))
+        self.metrics.node.allocations_grown.inc()
         if (holder := self.book.holder(a.task_id)) is not None:
             self.links.send(holder, p.AllocChanged(change="grown", allocation=self.answers.answer(0, a, 0.0)))
 
