@@ -544,6 +544,26 @@ class Escaped(_Msg, tag="ESCAPED", frozen=True, kw_only=True):
     escapes: Escapes
 
 
+# A cgroup's path in the cgroup2 hierarchy: absolute, no NUL, no empty or dot components (checked).
+CgroupPath = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
+CgroupPaths = Annotated[list[CgroupPath], Meta(max_length=64)]  # one claim's containers
+
+
+class Adopt(_Msg, tag="ADOPT", frozen=True, kw_only=True):
+    """Admin: cgroups that are not gpud's own become this connection's program, frozen and thawed by
+    FREEZE and THAW as a run's (gpud-k8s hands a Kubernetes claim's containers so: docs/kubernetes.md).
+    ``cgroups``: their paths in the cgroup2 hierarchy, replacing what this connection handed before
+    (an empty list hands them all back, thawed); ``task_id``: whose they are, for RUNS and the log.
+    gpud checks each against the kernel (a directory of the hierarchy with a freezer; not the root, not
+    gpud's own cgroup or the caller's or an ancestor of either, not init's, not a run's cgroup of gpud's,
+    not another connection's) and never kills, moves or removes them; a connection that goes leaves
+    them as the kernel has them. Answered by PROGRAM_STATE (``frozen``: all of them are)."""
+
+    id: RequestId
+    task_id: TaskId
+    cgroups: CgroupPaths
+
+
 class ListRuns(_Msg, tag="RUNS", frozen=True, kw_only=True):
     id: RequestId
 
@@ -598,6 +618,7 @@ class RunProgramInfo(Struct, frozen=True, kw_only=True):
     processes: int  # in its cgroup, or in its tree
     stopped: int  # of them, stopped (signal) or frozen (cgroup)
     escapes: int  # reported by its run
+    task_id: str = ""  # whose the cgroups are (ADOPT); "" for a run's program
 
 
 class RunsReply(_Reply, tag="RUNS_REPLY", frozen=True, kw_only=True):
@@ -639,6 +660,7 @@ ClientMessage = Union[
     Thaw,
     Escaped,
     ListRuns,
+    Adopt,
     OpenTaskSocket,
     CloseTaskSocket,
 ]

@@ -10,7 +10,8 @@ a process and its children, setsid'd and double-forked ones included, in its cgr
 cgroup (``cgroup.freeze``) runs no code of its processes whatever signal they get (SIGCONT
 included), and ``cgroup.kill`` ends every process in it at once.
 
-The parsing is pure (``cgroup2_mount``, ``own_cgroup``, ``events``, ``run_name``); the rest are
+The parsing is pure (``cgroup2_mount``, ``own_cgroup`` and ``directory``, shared with gpud-k8s in
+``gpud_client.proctl.hierarchy``; ``events``, ``run_name``); the rest are
 plain file operations that raise OSError. Nothing here decides whose program is moved, frozen or
 killed (``gpud.capabilities.runs`` does, after ``gpud.core.owners`` has judged the pid), and it never
 touches a cgroup outside its base.
@@ -25,55 +26,21 @@ import re
 import signal
 from dataclasses import dataclass
 
+from gpud_client.proctl.hierarchy import MOUNTINFO as MOUNTINFO
+from gpud_client.proctl.hierarchy import cgroup2_mount as cgroup2_mount
+from gpud_client.proctl.hierarchy import directory as directory
+from gpud_client.proctl.hierarchy import own_cgroup as own_cgroup
 from gpud_client.proctl.tree import ProcessTree, read_stat
 from gpud_client.protocol import KernelState
 
-MOUNTINFO = "/proc/self/mountinfo"
 OWN_CGROUP = "/proc/self/cgroup"
 BASE_NAME = "gpud-runs"
 MAX_PROCESSES = 1024  # read of one program's processes: a listing never holds the loop long
 _RUN = re.compile(r"^run-([0-9a-f]{8})-(\d+)-(\d+)$")
-_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 class Unavailable(Exception):
     """No cgroup can be had for runs here; the message says why, for the run's user and the log."""
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes a space, tab, newline or backslash in a path as an octal escape."""
-    return _OCTAL.sub(lambda m: chr(int(m[1], 8)), field)
-
-
-def cgroup2_mount(mountinfo: str) -> tuple[str, str] | None:
-    """(mount point, root of the hierarchy it shows) of the first cgroup2 mount in ``mountinfo``."""
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split() or right.split()[0] != "cgroup2":
-            continue
-        return _unescape(fields[4]), _unescape(fields[3])
-    return None
-
-
-def own_cgroup(proc_cgroup: str) -> str | None:
-    """The v2 cgroup path in a /proc/PID/cgroup text (its ``0::/path`` line), or None."""
-    for line in proc_cgroup.splitlines():
-        if line.startswith("0::"):
-            path = line[3:].strip()
-            return path.removesuffix(" (deleted)") if path.startswith("/") else None
-    return None
-
-
-def directory(mount: tuple[str, str], path: str) -> str | None:
-    """Where cgroup ``path`` of the hierarchy is in the file system, or None when the mount
-    (showing only the part below its root) does not show it."""
-    point, root = mount
-    root = root.rstrip("/")
-    if path != root and not path.startswith(root + "/"):
-        return None
-    rest = path[len(root) :].strip("/")
-    return os.path.join(point, rest) if rest else point
 
 
 def events(text: str) -> dict[str, int]:

@@ -101,7 +101,9 @@ class Daemon:
         )
         self.handlers: dict[type, Handler] = {p.Hello: self.hello, p.Relabel: self.relabel}
         # gpuctl run's programs: their cgroups, frozen and thawed by gpud (docs/run.md)
-        self.runs = Runs(self.links, metrics, self.faults, lambda: self.config, clock, lambda: self.shutting_down)
+        self.runs = Runs(
+            self.links, metrics, self.faults, self.access, lambda: self.config, clock, lambda: self.shutting_down
+        )
         # sockets of one task's own (gpud-k8s's claims): listened on by the runtime (serving.listener)
         self.task_sockets = TaskSockets(self.links, self.access)
         for part in (self.locks, self.leases, self.allocations, self.admin, self.status, self.runs, self.task_sockets):

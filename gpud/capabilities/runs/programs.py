@@ -21,8 +21,12 @@ A run's cgroup is the daemon's, and outlives the run's connection:
 - the daemon stopping: left as it is. A daemon that starts finds its own leftovers (by its key) and
   keeps them as they are, unclaimed: a frozen program stays frozen until its run is granted again.
 
+Cgroups an admin hands gpud (ADOPT: a Kubernetes claim's containers, ``adopted``) are a connection's
+program too, frozen and thawed alike; being the container runtime's, they are never killed, moved or
+removed, and a connection that goes leaves them as the kernel has them.
+
 It never moves, freezes or kills a process the checks did not allow, never touches a cgroup that is
-not its own, and never holds the loop on the kernel: a freeze not done at once is waited for by the
+not its own or handed to it, and never holds the loop on the kernel: a freeze not done at once is waited for by the
 housekeeping task (``run``), which also reclaims and removes cgroups.
 """
 
@@ -35,12 +39,15 @@ from dataclasses import dataclass
 import structlog
 import trio
 
+from gpud.capabilities.runs.adopted import all_frozen, judge, set_frozen
+from gpud.capabilities.runs.adopted import state as adopted_state
 from gpud.core.errors import Refused
 from gpud.core.owners import check_program
 from gpud.host.cgroups import RunCgroup, RunCgroups, Unavailable, daemon_key, program_state
 from gpud.host.config import Config
 from gpud.host.metrics import Metrics
 from gpud.host.procs import Held, ancestry, caller, hold, read_facts
+from gpud.kit.access import Access
 from gpud.kit.faults import Faults
 from gpud.kit.links import Links
 from gpud.kit.state import ClientLink, Clock, Handler
@@ -60,9 +67,17 @@ class Program:
     conn: ClientLink | None = None
     run: Held | None = None  # the run's own process: its end is the program's
     unclaimed_since: int | None = None
+    adopted: tuple[RunCgroup, ...] = ()  # cgroups an admin handed (ADOPT), not gpud's own
+    task_id: str = ""  # whose the adopted cgroups are
+
+    @property
+    def is_adopted(self) -> bool:
+        return self.pid == 0
 
     @property
     def backend(self) -> str:
+        if self.is_adopted:
+            return "adopted"
         if self.cgroup is None:
             return self.pause or "signal"
         return f"{self.pause}+cgroup" if self.pause not in ("", "signal", "none") else "cgroup"
@@ -83,6 +98,7 @@ class Runs:
         links: Links,
         metrics: Metrics,
         faults: Faults,
+        access: Access,
         config: Callable[[], Config],
         clock: Clock,
         stopping: Callable[[], bool],
@@ -90,6 +106,7 @@ class Runs:
         self.links = links
         self.metrics = metrics.node
         self.faults = faults
+        self.access = access
         self.config = config
         self.now = clock
         self.stopping = stopping
@@ -103,7 +120,7 @@ class Runs:
         self.why_not = ""
         self._probed = False
         self._wake: trio.Event | None = None
-        for backend in ("cgroup", "signal"):
+        for backend in ("cgroup", "signal", "adopted"):
             self.metrics.runs.labels(backend)
         for reason in ("run_gone", "unclaimed", "replaced"):
             self.metrics.run_kills.labels(reason)
@@ -115,6 +132,7 @@ class Runs:
             p.Thaw: self.thaw,
             p.Escaped: self.escaped,
             p.ListRuns: self.list_runs,
+            p.Adopt: self.adopt,
         }
 
     # --- start: the base, and what an earlier daemon left ----------------------------
@@ -212,11 +230,38 @@ class Runs:
         log.info("run_claimed", client=conn.client_id, pid=msg.pid, cgroup=cgroup.name, frozen=cgroup.frozen())
         return self._contained(msg.id, prog)
 
+    def adopt(self, conn: ClientLink, msg: p.Adopt, now: int) -> p.ProgramState:
+        self.access.require_admin(conn, msg)
+        prog = self.by_conn.get(conn.client_id)
+        if prog is not None and not prog.is_adopted:
+            raise Refused(
+                p.ErrorCode.INVALID,
+                "this connection's program is a run's (CONTAIN): hand cgroups on a connection of their own",
+            )
+        self.probe()
+        taken = [cg.name for x in self.by_conn.values() if x is not prog for cg in x.adopted]
+        base = self.cgroups.hierarchy if self.cgroups is not None else None
+        cgroups = judge(msg.cgroups, caller_pid=conn.pid, runs_base=base, taken=taken)
+        if prog is None:
+            prog = Program(0, None, "", None, task_id=msg.task_id)
+            self._count(prog, 1)
+            self._attach(conn, prog)
+        kept = {cg.name for cg in cgroups}
+        let_go = [cg for cg in prog.adopted if cg.name not in kept]
+        prog.adopted, prog.task_id = tuple(cgroups), msg.task_id
+        try:
+            set_frozen(let_go, False)  # handed back as they were before gpud had them
+        except OSError as exc:
+            self.faults.record("runs", exc, client=conn.client_id)
+        log.info(
+            "cgroups_adopted", client=conn.client_id, task_id=msg.task_id, cgroups=sorted(kept), let_go=len(let_go)
+        )
+        return p.ProgramState(id=msg.id, frozen=bool(cgroups) and all_frozen(cgroups))
+
     def freeze(self, conn: ClientLink, msg: p.Freeze, now: int) -> p.ProgramState | None:
         prog = self._in_cgroup(conn)
-        assert prog.cgroup is not None
-        self._write_freeze(prog.cgroup, True)
-        if prog.cgroup.frozen():
+        self._write_freeze(prog, True)
+        if self._frozen(prog):
             self.metrics.run_freeze.observe(0)
             return p.ProgramState(id=msg.id, frozen=True)
         timeout = round(self.config().run_freeze_timeout_s * 1e6)
@@ -226,10 +271,9 @@ class Runs:
 
     def thaw(self, conn: ClientLink, msg: p.Thaw, now: int) -> p.ProgramState:
         prog = self._in_cgroup(conn)
-        assert prog.cgroup is not None
         self.freezing = [f for f in self.freezing if f.conn is not conn]
-        self._write_freeze(prog.cgroup, False)
-        return p.ProgramState(id=msg.id, frozen=prog.cgroup.frozen())
+        self._write_freeze(prog, False)
+        return p.ProgramState(id=msg.id, frozen=prog.cgroup.frozen() if prog.cgroup is not None else False)
 
     def escaped(self, conn: ClientLink, msg: p.Escaped, now: int) -> p.Ok:
         count = self.escapes[conn.client_id] = self.escapes.get(conn.client_id, 0) + 1
@@ -288,6 +332,8 @@ class Runs:
         if prog is None:
             return
         prog.conn = None
+        if prog.adopted:  # the runtime's: left as the kernel has them, for their agent to hand again
+            log.info("cgroups_left", task_id=prog.task_id, cgroups=len(prog.adopted), frozen=all_frozen(prog.adopted))
         if prog.cgroup is None or self.stopping():  # a stopping daemon leaves every cgroup as it is
             self._forget(prog)
             return
@@ -328,12 +374,11 @@ class Runs:
         """One round; the seconds until the next one is due (None: only when woken)."""
         waiting = []
         for f in self.freezing:
-            cgroup = f.program.cgroup
             waited_ms = (now - f.since) / 1000
-            if cgroup is not None and cgroup.frozen():
+            if self._frozen(f.program):
                 self.metrics.run_freeze.observe(waited_ms / 1000)
                 self.links.send(f.conn, p.ProgramState(id=f.rid, frozen=True, waited_ms=waited_ms))
-            elif now >= f.deadline or cgroup is None:
+            elif now >= f.deadline:
                 log.warning("run_freeze_overdue", client=f.conn.client_id, pid=f.program.pid, waited_ms=waited_ms)
                 self.links.send(f.conn, p.ProgramState(id=f.rid, frozen=False, waited_ms=waited_ms))
             else:
@@ -390,22 +435,34 @@ class Runs:
         prog.held = prog.run = None
 
     def _count(self, prog: Program, step: int) -> None:
-        self.metrics.runs.labels("cgroup" if prog.cgroup is not None else "signal").inc(step)
+        backend = "adopted" if prog.is_adopted else "cgroup" if prog.cgroup is not None else "signal"
+        self.metrics.runs.labels(backend).inc(step)
 
     def _in_cgroup(self, conn: ClientLink) -> Program:
         prog = self.by_conn.get(conn.client_id)
-        if prog is None or prog.cgroup is None:
+        if prog is None or (prog.cgroup is None and not prog.is_adopted):
             raise Refused(
                 p.ErrorCode.INVALID,
-                "this connection has handed gpud no program in a cgroup: CONTAIN it first (with cgroup)",
+                "this connection has handed gpud no program in a cgroup: CONTAIN it first (with cgroup), or ADOPT cgroups",
             )
         return prog
 
-    def _write_freeze(self, cgroup: RunCgroup, frozen: bool) -> None:
+    def _frozen(self, prog: Program) -> bool:
+        """The kernel says the program is frozen: its cgroup, or every adopted one (or gone)."""
+        if prog.cgroup is not None:
+            return prog.cgroup.frozen()
+        return prog.is_adopted and all_frozen(prog.adopted)
+
+    def _write_freeze(self, prog: Program, frozen: bool) -> None:
+        cgroups = (prog.cgroup,) if prog.cgroup is not None else prog.adopted
         try:
-            cgroup.freeze(frozen)
+            if prog.cgroup is not None:
+                prog.cgroup.freeze(frozen)
+            else:
+                set_frozen(prog.adopted, frozen)
         except OSError as exc:
-            raise Refused(p.ErrorCode.INVALID, f"cannot write {cgroup.name}/cgroup.freeze: {exc.strerror}") from None
+            names = ", ".join(cg.name for cg in cgroups)
+            raise Refused(p.ErrorCode.INVALID, f"cannot write cgroup.freeze of {names}: {exc.strerror}") from None
 
     def _contained(self, rid: int, prog: Program, why: str = "") -> p.Contained:
         backend: p.ProgramBackend = "cgroup" if prog.cgroup is not None else "signal"
@@ -414,11 +471,14 @@ class Runs:
 
     def _info(self, prog: Program) -> p.RunProgramInfo:
         run = prog.conn.pid if prog.conn is not None else None
-        state, processes, stopped = program_state(prog.cgroup, prog.pid, run)
+        if prog.is_adopted:
+            state, processes, stopped = adopted_state(prog.adopted)
+        else:
+            state, processes, stopped = program_state(prog.cgroup, prog.pid, run)
         cid = prog.conn.client_id if prog.conn is not None else 0
         return p.RunProgramInfo(
             client_id=cid, pid=prog.pid, backend=prog.backend, cgroup=_name(prog), state=state,
-            processes=processes, stopped=stopped, escapes=self.escapes.get(cid, 0),
+            processes=processes, stopped=stopped, escapes=self.escapes.get(cid, 0), task_id=prog.task_id,
         )  # fmt: skip
 
     def _kick(self) -> None:
@@ -434,4 +494,6 @@ def _removed(cgroup: RunCgroup) -> bool:
 
 
 def _name(prog: Program) -> str:
+    if prog.adopted:
+        return " ".join(cg.name for cg in prog.adopted)
     return prog.cgroup.name if prog.cgroup is not None else ""
