@@ -69,6 +69,9 @@ def read_config(parameters: object, where: str) -> ClaimConfig:
         raise ClaimError(f"{where}: {exc}") from None
     if config.recovery is Recovery.SHRINK:
         raise ClaimError(f"{where}: recovery 'shrink' is for elastic allocations, which a claim is not")
+    if config.pause == "none" and (config.time_slice or config.recovery is Recovery.SUSPEND):
+        what = "timeSlice" if config.time_slice else "recovery 'suspend'"
+        raise ClaimError(f"{where}: {what} pauses the claim's containers, and pause is 'none' (use freeze or cuda)")
     return config
 
 

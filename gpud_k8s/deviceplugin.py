@@ -14,6 +14,11 @@ The plugin registers with the kubelet (``v1beta1.Registration/Register`` on
 streams the seats in ``ListAndWatch`` (a drained or unhealthy GPU's seats ``Unhealthy``), and
 registers again whenever the kubelet's socket is made anew (the kubelet removes every plugin socket
 when it starts).
+
+Which pod holds a seat the kubelet's pod resources API says (``List``: each container's devices by
+resource name and id; ``holders``). When gpud takes a seat back (a drain), the pod that holds it is
+evicted through the Eviction API at the end of the grace, as a claim's is (``gpud_k8s.keeping``), and
+once its GPU is back in service the seat is made again in gpud.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ from gpud_client import protocol as p
 from gpud_client.errors import ProtocolError
 from gpud_k8s import kubelet_api as k
 from gpud_k8s.cdi import CONTAINER_DIR, SOCKET_NAME
+from gpud_k8s.keeping import Evictor, evict_pods
 
 log = structlog.get_logger(__name__)
 RESOURCE = "gpud.io/gpu-seat"
@@ -67,6 +73,7 @@ class SeatPlugin(_DevicePluginServicer):  # type: ignore[misc]
         *,
         nvidia: Callable[[str], str | None] = lambda uuid: None,
         interval_s: float = 5.0,
+        kube: Evictor | None = None,
     ) -> None:
         if not 1 <= seats <= 64:
             raise ValueError(f"seats per GPU must be within 1..64, not {seats}")
@@ -79,6 +86,9 @@ class SeatPlugin(_DevicePluginServicer):  # type: ignore[misc]
         self.uuids: dict[int, str] = {}
         self.health: dict[int, bool] = {}  # gpu -> its seats are healthy
         self.changed = asyncio.Event()
+        self.kube = kube  # None: no API server to evict through (said when one would be)
+        self.evictions: dict[str, asyncio.Task[None]] = {}  # seat task -> its eviction, waiting or under way
+        self._channel: Any = None
         self._server: Any = None
 
     @property
@@ -96,21 +106,23 @@ class SeatPlugin(_DevicePluginServicer):  # type: ignore[misc]
         for g in status.gpus:
             self.uuids[g.index] = g.uuid
             self.health[g.index] = g.healthy and not g.draining
-            for n in range(self.seats):
-                task = seat_task(g.index, n)
-                share = 1.0 if self.seats == 1 else round(1 / self.seats, 6)
-                msg = p.Allocate(
-                    id=0, task_id=task, gpus=share, prefer=[g.index], strategy=p.Strategy.ONLY, notify=True
-                )
-                try:
-                    await self.gpud.call(msg)
-                except ProtocolError as exc:
-                    raise RuntimeError(f"gpud did not make seat {n} of GPU {g.index} ({task}): {exc}") from None
-                d = self.seat_dir(g.index, n)
-                d.mkdir(mode=0o755, parents=True, exist_ok=True)
-                os.chmod(d, 0o755)
-                await self.gpud.call(p.OpenTaskSocket(id=0, task_id=task, path=str(d / SOCKET_NAME)))
+            await self._make(g.index, range(self.seats))
         log.info("seats_made", gpus=len(status.gpus), seats=self.seats)
+
+    async def _make(self, g: int, seats: Iterable[int]) -> None:
+        """Seats ``seats`` of GPU ``g`` in gpud, each with its socket."""
+        for n in seats:
+            task = seat_task(g, n)
+            share = 1.0 if self.seats == 1 else round(1 / self.seats, 6)
+            msg = p.Allocate(id=0, task_id=task, gpus=share, prefer=[g], strategy=p.Strategy.ONLY, notify=True)
+            try:
+                await self.gpud.call(msg)
+            except ProtocolError as exc:
+                raise RuntimeError(f"gpud did not make seat {n} of GPU {g} ({task}): {exc}") from None
+            d = self.seat_dir(g, n)
+            d.mkdir(mode=0o755, parents=True, exist_ok=True)
+            os.chmod(d, 0o755)
+            await self.gpud.call(p.OpenTaskSocket(id=0, task_id=task, path=str(d / SOCKET_NAME)))
 
     async def watch_gpus(self) -> None:
         """The seats' health follows gpud's GPUs (drained or unhealthy: Unhealthy)."""
@@ -125,6 +137,71 @@ class SeatPlugin(_DevicePluginServicer):  # type: ignore[misc]
             if health != self.health:
                 self.health = health
                 self.changed.set()
+            try:
+                await self.make_missing(health)
+            except Exception as exc:  # tried again next round
+                log.warning("seats_not_made", error=str(exc))
+
+    async def make_missing(self, health: dict[int, bool]) -> None:
+        """The seats gpud took back (a drain), made again once their GPU is in service."""
+        listing: p.AllocationsReply = await self.gpud.allocations()
+        held = {a.task_id for a in listing.allocations}
+        for gpu, ok in sorted(health.items()):
+            missing = [n for n in range(self.seats) if seat_task(gpu, n) not in held]
+            if ok and missing:
+                await self._make(gpu, missing)
+                log.info("seats_made_again", gpu=gpu, seats=missing)
+
+    # --- which pods hold seats, and taking them back ------------------------------------
+
+    async def holders(self) -> dict[str, tuple[str, str]]:
+        """Seat task -> (namespace, pod) that holds it, as the kubelet's pod resources API says now."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(k.unix_target(self.paths.pod_resources_socket))
+        stub = k.podresources.rpc.PodResourcesListerStub(self._channel)
+        reply = await stub.List(k.podresources.pb.ListPodResourcesRequest(), timeout=5.0)
+        found = {}
+        for pod in reply.pod_resources:
+            for ctr in pod.containers:
+                for dev in ctr.devices:
+                    if dev.resource_name != RESOURCE:
+                        continue
+                    for device_id in dev.device_ids:
+                        seat = parse_seat(device_id)
+                        if seat is not None:
+                            found[seat_task(*seat)] = (pod.namespace, pod.name)
+        return found
+
+    def push(self, msg: Any) -> None:
+        """gpud's pushes about the seats (the agent's connection holds them): a seat taken back has its pod
+        evicted when the grace ends, or at once when the seat is gone; a withdrawn notice cancels it."""
+        task = msg.allocation.task_id if isinstance(msg, p.AllocChanged) else getattr(msg, "task_id", "")
+        if not task.startswith(SEAT_PREFIX):
+            return
+        match msg:
+            case p.Preempt(grace_s=grace_s) if task not in self.evictions:
+                self.evictions[task] = asyncio.ensure_future(self._evict(task, grace_s, "gpud took the seat back"))
+            case p.PreemptWithdrawn():
+                waiting = self.evictions.pop(task, None)
+                if waiting is not None:
+                    waiting.cancel()
+            case p.AllocRevoked(gone=True) if task not in self.evictions:
+                self.evictions[task] = asyncio.ensure_future(self._evict(task, 0, "gpud took the seat back"))
+
+    async def _evict(self, task: str, after_s: float, why: str) -> None:
+        try:
+            await asyncio.sleep(after_s)
+            holder = (await self.holders()).get(task)
+            if holder is None:
+                return
+            if self.kube is None:
+                log.warning("seat_not_evicted", seat=task, pod=f"{holder[0]}/{holder[1]}", why="no API server")
+                return
+            await evict_pods(self.kube, holder[0], [(holder[1], None)], f"seat {task}", why)
+        except Exception as exc:
+            log.warning("seat_eviction_failed", seat=task, error=str(exc))
+        finally:
+            self.evictions.pop(task, None)
 
     # --- the kubelet's side ----------------------------------------------------------
 
@@ -229,6 +306,13 @@ class SeatPlugin(_DevicePluginServicer):  # type: ignore[misc]
         if self._server is not None:
             await self._server.stop(1)
             self._server = None
+
+    async def close(self) -> None:
+        await self.stop()
+        for waiting in self.evictions.values():
+            waiting.cancel()
+        if self._channel is not None:
+            await self._channel.close()
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -48,6 +49,18 @@ log = structlog.get_logger(__name__)
 
 class Kube(Protocol):
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    async def set_claim_condition(
+        self, claim: dict[str, Any], devices: list[tuple[str, str, str]], condition: dict[str, Any]
+    ) -> None: ...
+
+
+class Keepers(Protocol):
+    """What looks after a prepared claim's containers on the node (``gpud_k8s.keeping``)."""
+
+    def start(self, rec: Prepared) -> None: ...
+
+    async def stop(self, uid: str) -> None: ...
 
 
 class Gpud(Protocol):
@@ -100,6 +113,7 @@ class Driver:
         uuids: Callable[[int], str | None] = lambda gpu: None,
         nvidia: Callable[[str], str | None] = lambda uuid: None,
         driver: str = DRIVER,
+        keepers: Keepers | None = None,
     ) -> None:
         self.node = node
         self.gpud = gpud
@@ -110,6 +124,7 @@ class Driver:
         self.uuids = uuids  # a GPU's uuid (from gpud's STATUS), for NVIDIA's CDI device name
         self.nvidia = nvidia
         self.driver = driver
+        self.keepers = keepers
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _lock(self, uid: str) -> asyncio.Lock:
@@ -134,9 +149,42 @@ class Driver:
                 )
             try:
                 made = plan(claim, self.node, self.driver)
-            except ClaimError as exc:
+                devices = await self._make(made)
+            except (ClaimError, PrepareFailed) as exc:
+                await self._say(
+                    claim, False, "ClaimConfigInvalid" if isinstance(exc, ClaimError) else "PrepareFailed", str(exc)
+                )
                 raise PrepareFailed(str(exc)) from None
-            return await self._make(made)
+            if _said_not_ready(claim, self.driver):  # a failure said before is over
+                await self._say(claim, True, "Prepared", "gpud enforces the claim's share on this node")
+            return devices
+
+    async def _say(self, claim: dict[str, Any], ready: bool, reason: str, message: str) -> None:
+        """The claim's own status says whether gpud could prepare it (a ``Ready`` condition on this
+        driver's devices of this node), beside the kubelet's event; a failure to say so is logged only."""
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+        devices = [
+            (str(r.get("pool")), str(r.get("device")), str(r.get("shareID") or ""))
+            for r in results
+            if r.get("driver") == self.driver and r.get("pool") == self.node
+        ]
+        if not devices:
+            return
+        condition: dict[str, object] = {
+            "type": "Ready",
+            "status": "True" if ready else "False",
+            "reason": reason,
+            "message": message[:32768],
+            "lastTransitionTime": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        generation = (claim.get("metadata") or {}).get("generation")
+        if isinstance(generation, int):
+            condition["observedGeneration"] = generation
+        try:
+            await self.kube.set_claim_condition(claim, devices, condition)
+        except Exception as exc:  # the kubelet's event still says it
+            meta = claim.get("metadata") or {}
+            log.warning("claim_status_not_written", claim=f"{meta.get('namespace')}/{meta.get('name')}", error=str(exc))
 
     async def _make(self, made: ClaimPlan) -> list[PreparedDevice]:
         uid = made.uid
@@ -149,10 +197,14 @@ class Driver:
             state="preparing",
             socket_dir=str(socket_dir),
             cdi_file=str(self.cdi_dir / spec_file_name(uid)),
+            gpus=made.gpus,
+            time_slice=made.config.time_slice,
+            pause=made.config.pause,
+            recovery=str(made.config.recovery),
         )
         self.prepared.put(rec)
         try:
-            alloc = await self._allocate(made)
+            alloc, asked = await self._allocate(made)
             socket_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             os.chmod(socket_dir, 0o755)  # (not the umask's): every uid in the containers may connect
             await self._open_socket(rec)
@@ -163,8 +215,12 @@ class Driver:
             raise
         ids = (device_id(uid), *nvidia)
         devices = [(d.request, self.node, device_name(d.gpu), d.share_id or "") for d in made.devices]
-        done = msgspec.structs.replace(rec, state="prepared", devices=devices, cdi_ids=list(ids))
+        done = msgspec.structs.replace(
+            rec, state="prepared", devices=devices, cdi_ids=list(ids), allocate=msgspec.to_builtins(asked)
+        )
         self.prepared.put(done)
+        if self.keepers is not None:
+            self.keepers.start(done)
         log.info("claim_prepared", claim=f"{made.namespace}/{made.name}", uid=uid, gpus=made.gpus, share=made.share)
         return _devices(done)
 
@@ -173,7 +229,7 @@ class Driver:
         page: p.AllocationsReply = await self.gpud.call(p.ListAllocations(id=0, limit=1))
         return namespace if namespace in page.tenants else None
 
-    async def _allocate(self, made: ClaimPlan) -> p.Allocated:
+    async def _allocate(self, made: ClaimPlan) -> tuple[p.Allocated, p.Allocate]:
         msg = p.Allocate(
             id=0,
             task_id=made.task_id,
@@ -195,7 +251,7 @@ class Driver:
                 f"ResourceClaim {made.namespace}/{made.name}: gpud holds task {made.task_id} on GPUs {alloc.gpus}, "
                 f"the scheduler placed the claim on {made.gpus}"
             )
-        return alloc
+        return alloc, msg
 
     async def _open_socket(self, rec: Prepared) -> None:
         path = str(Path(rec.socket_dir) / SOCKET_NAME)
@@ -214,6 +270,8 @@ class Driver:
             rec = self.prepared.get(uid)
             if rec is None:
                 return
+            if self.keepers is not None:  # its containers handed back (thawed) before the allocation goes
+                await self.keepers.stop(uid)
             await self._undo(rec)
             log.info("claim_unprepared", claim=f"{rec.namespace}/{rec.name}", uid=uid)
         self._locks.pop(uid, None)
@@ -243,7 +301,22 @@ class Driver:
             if rec.state != "prepared":
                 log.warning("claim_prepare_undone", uid=rec.uid, claim=f"{rec.namespace}/{rec.name}")
                 await self._undo(rec)
+        for rec in list(self.prepared):
+            await self._hold(rec)
+            if self.keepers is not None:
+                self.keepers.start(rec)
         await self.reassert()
+
+    async def _hold(self, rec: Prepared) -> None:
+        """An agent started again holds each prepared claim's allocation again (told of its preemption), on
+        the terms it was made with; one gone meanwhile is left to the claim's keeper (it evicts the pods)."""
+        if not rec.allocate:
+            return
+        try:
+            msg = msgspec.convert({**rec.allocate, "existing": True, "wait_ms": 0}, p.Allocate)
+            await self.gpud.call(msg)
+        except (ProtocolError, msgspec.ValidationError) as exc:
+            log.warning("claim_allocation_not_held", uid=rec.uid, claim=f"{rec.namespace}/{rec.name}", error=str(exc))
 
     async def reassert(self) -> None:
         """Each prepared claim's socket, asked for again (idempotent in gpud: a restart of gpud closed them)."""
@@ -267,3 +340,12 @@ def _write_json(path: Path, obj: object) -> None:
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+def _said_not_ready(claim: dict[str, Any], driver: str) -> bool:
+    for entry in (claim.get("status") or {}).get("devices") or []:
+        if entry.get("driver") == driver and any(
+            c.get("type") == "Ready" and c.get("status") == "False" for c in entry.get("conditions") or []
+        ):
+            return True
+    return False

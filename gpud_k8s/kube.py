@@ -127,3 +127,70 @@ class Kube:
             except ApiError as exc:
                 if exc.status != 404:
                     raise
+
+    async def evict(self, namespace: str, name: str, uid: str | None = None) -> str:
+        """Evict the pod through the Eviction API (``policy/v1``), which keeps its disruption budgets:
+        ``evicted``, ``blocked`` (429: a budget allows no disruption now; ask again later) or ``gone``
+        (no such pod, or another pod of that name: ``uid`` differs)."""
+        body: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        if uid is not None:
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
+        try:
+            await _json(self.core.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False))  # type: ignore[arg-type]  # (its JSON)
+        except ApiError as exc:
+            if exc.status == 429:
+                return "blocked"
+            if exc.status in (404, 409):  # gone, or a new pod of that name (the uid precondition)
+                return "gone"
+            raise
+        return "evicted"
+
+    async def set_claim_condition(
+        self, claim: dict[str, Any], devices: list[tuple[str, str, str]], condition: dict[str, Any]
+    ) -> None:
+        """Say ``condition`` (a metav1.Condition) on this driver's allocated devices ``(pool, device, share
+        id or "")`` in the claim's ``status.devices``, keeping every other entry; at the claim's
+        resourceVersion (a conflict raises: the claim changed)."""
+        meta = claim.get("metadata") or {}
+        status = claim.get("status") or {}
+        mine = set(devices)
+        others = [d for d in status.get("devices") or [] if _device_key(d, self.driver) not in mine]
+        ours = []
+        for pool, device, share in devices:
+            entry = {"driver": self.driver, "pool": pool, "device": device, "conditions": [condition]}
+            if share:
+                entry["shareID"] = share
+            ours.append(entry)
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": {"devices": others + ours}}
+        call = self.resource.patch_namespaced_resource_claim_status(  # type: ignore[call-arg]  # (_content_type: its JSON merge patch)
+            str(meta.get("name")),
+            str(meta.get("namespace")),
+            patch,  # type: ignore[arg-type]  # (its JSON)
+            _preload_content=False,
+            _content_type="application/merge-patch+json",
+        )
+        await _json(call)
+
+    async def list_node_pods(self, node: str) -> list[dict[str, Any]]:
+        """The pods scheduled to ``node`` (one list, every page)."""
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={node}", "limit": 500}
+            if cont:
+                kwargs["_continue"] = cont
+            page = await _json(self.core.list_pod_for_all_namespaces(_preload_content=False, **kwargs))
+            items += page.get("items") or []
+            cont = (page.get("metadata") or {}).get("continue")
+            if not cont:
+                return items
+
+
+def _device_key(entry: dict[str, Any], driver: str) -> tuple[str, str, str] | None:
+    if entry.get("driver") != driver:
+        return None
+    return str(entry.get("pool")), str(entry.get("device")), str(entry.get("shareID") or "")

@@ -23,11 +23,14 @@ import structlog
 
 from gpud_client.aio import AsyncClient
 from gpud_client.errors import GpudError
+from gpud_client.proctl.base import Backend
 from gpud_k8s import kube as kube_api
 from gpud_k8s import kubelet_api as k
 from gpud_k8s.claims import DRIVER
+from gpud_k8s.containers import Hierarchy
 from gpud_k8s.deviceplugin import SeatPlugin
 from gpud_k8s.driver import Driver, nvidia_cdi_ids
+from gpud_k8s.keeping import CHECK_S, FIND_S, Keepers
 from gpud_k8s.plugin import KubeletPlugin
 from gpud_k8s.prepared import PreparedClaims
 from gpud_k8s.publisher import Publisher
@@ -56,6 +59,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-simulated", action="store_true", help="publish gpud's simulated GPUs (tests, demos)")
     ap.add_argument("--publish-interval", type=float, default=5.0, help="seconds between reads of gpud's GPUs")
     ap.add_argument("--healthz", default=":8081", help="HOST:PORT of /healthz ('' for none)")
+    ap.add_argument(
+        "--cgroup-root",
+        help="where the node's pod cgroups are looked for (default: the cgroup2 mount: kubepods below it)",
+    )
+    ap.add_argument(
+        "--find-interval", type=float, default=FIND_S, help="seconds between looks for the claims' containers"
+    )
     ap.add_argument(
         "--seats",
         type=int,
@@ -127,6 +137,24 @@ async def run(args: argparse.Namespace) -> int:
         shared = await kube.server_version() >= SHARES_FROM
     status = await gpud.status()
     uuids = {g.index: g.uuid for g in status.gpus}
+    try:
+        hierarchy = Hierarchy.here()
+    except OSError as exc:
+        print(f"gpud-k8s: {exc}", file=sys.stderr)
+        return 1
+    paths = k.KubeletPaths(Path(args.kubelet_dir))
+    keepers = Keepers(
+        node=node,
+        gpud=gpud,
+        gpud_socket=args.gpud_socket,
+        kube=kube,
+        cgroup_root=Path(args.cgroup_root) if args.cgroup_root else hierarchy.point,
+        hierarchy=hierarchy,
+        pod_resources=paths.pod_resources_socket,
+        cuda=cuda_backend,
+        find_s=args.find_interval,
+    )
+    await gpud.add_allocation_listener(keepers.push)
     driver = Driver(
         node,
         gpud,
@@ -136,6 +164,7 @@ async def run(args: argparse.Namespace) -> int:
         claims_dir=Path(args.claims_dir),
         uuids=uuids.get,
         nvidia=nvidia_cdi_ids((Path("/etc/cdi"), Path("/var/run/cdi"))),
+        keepers=keepers,
     )
     await driver.recover()
     publisher = Publisher(
@@ -148,7 +177,7 @@ async def run(args: argparse.Namespace) -> int:
         interval_s=args.publish_interval,
     )
     await publisher.start()
-    plugin = KubeletPlugin(driver, k.KubeletPaths(Path(args.kubelet_dir)))
+    plugin = KubeletPlugin(driver, paths)
     await plugin.start()
     gpud_ok = [True]  # the last reassertion reached gpud
     healthz = await serve_healthz(
@@ -166,10 +195,19 @@ async def run(args: argparse.Namespace) -> int:
                 gpud_ok[0] = False
                 log.warning("claims_reassert_failed", error=str(exc))
 
+    async def check() -> None:
+        while True:
+            await asyncio.sleep(CHECK_S)
+            try:
+                await keepers.check()
+            except Exception as exc:
+                log.warning("claims_check_failed", error=str(exc))
+
     try:
-        await serve_until_stopped(publisher.run(), keep())
+        await serve_until_stopped(publisher.run(), keep(), keepers.watch(), check())
     finally:
         await plugin.stop()
+        await keepers.close()
         if healthz is not None:
             healthz.close()
         await kube.close()
@@ -178,8 +216,28 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cuda_backend() -> Backend | None:
+    """The CUDA driver's checkpoint lock, for claims whose ``pause`` is ``cuda``, where this node's driver
+    has it; else None (the cgroup freezer alone), said in the log."""
+    from gpud_client.proctl.cuda import CudaBackend, CudaDriver
+
+    driver = CudaDriver()
+    why_not = driver.probe()
+    if why_not is None:
+        return CudaBackend(driver=driver)
+    driver.close()
+    log.warning("cuda_pause_unavailable", why=why_not, instead="the cgroup freezer alone")
+    return None
+
+
 async def run_seats(args: argparse.Namespace, gpud: AsyncClient) -> int:
-    """The device-plugin fallback alone: seats made in gpud, registered with the kubelet, kept registered."""
+    """The device-plugin fallback alone: seats made in gpud, registered with the kubelet, kept registered;
+    a seat taken back has its pod evicted (where the API server can be reached)."""
+    kube: kube_api.Kube | None = None
+    try:
+        kube = kube_api.Kube(await kube_api.connect(args.kubeconfig, args.api_server))
+    except Exception as exc:  # (outside a pod, no kubeconfig): seats all the same, no evictions
+        log.warning("api_server_unavailable", error=str(exc), instead="seats taken back are not evicted")
     plugin = SeatPlugin(
         gpud,
         k.KubeletPaths(Path(args.kubelet_dir)),
@@ -187,13 +245,17 @@ async def run_seats(args: argparse.Namespace, gpud: AsyncClient) -> int:
         args.seats,
         nvidia=nvidia_cdi_ids((Path("/etc/cdi"), Path("/var/run/cdi"))),
         interval_s=args.publish_interval,
+        kube=kube,
     )
+    await gpud.add_allocation_listener(plugin.push)
     await plugin.make_seats()
     await plugin.start()
     try:
         await serve_until_stopped(plugin.watch_gpus(), plugin.keep_registered())
     finally:
-        await plugin.stop()
+        await plugin.close()
+        if kube is not None:
+            await kube.close()
         await gpud.close()
     return 0
 

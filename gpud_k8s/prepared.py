@@ -27,6 +27,11 @@ class Prepared(msgspec.Struct, kw_only=True, frozen=True):
     cdi_ids: list[str] = []
     socket_dir: str = ""
     cdi_file: str = ""
+    allocate: dict[str, object] = {}  # the ALLOCATE that made its allocation: held again by its terms after a restart
+    gpus: list[int] = []
+    time_slice: bool = False  # its containers take turns (the claim's config)
+    pause: str = "freeze"
+    recovery: str = "terminate"
 
 
 class PreparedClaims:

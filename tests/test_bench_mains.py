@@ -40,7 +40,7 @@ ELSEWHERE = {
     "gpu_run": "tests/test_bench_gpu_run.py",
 }
 WORKERS = {"preempt_victim": "preempt", "run_programs": "run_share", "scale_allocs": "scale"}
-RUN_HERE = {"ledger_ops", "quota_accuracy", "handoff", "alloc", "abuse", "arbiter_mix", "scale", "soak"}
+RUN_HERE = {"ledger_ops", "quota_accuracy", "handoff", "alloc", "abuse", "arbiter_mix", "scale", "soak", "k8s_prepare"}
 
 Run = Callable[..., dict[str, Any]]
 
@@ -219,6 +219,27 @@ def test_soak_reports_every_kind_of_operation_and_the_idle_clients(run_main: Run
     assert set(r["per_op"]) == {"lock", "lease_acquire", "lease_release", "allocate", "free"}
     assert r["daemon_alive"] is True and (r["clients"], r["idle_clients"]) == (3, 1)
     verdicts(r)
+
+
+def test_k8s_prepare_reports_each_kubelet_call_one_at_a_time_and_at_once(run_main: Run) -> None:
+    pytest.importorskip("gpud_k8s.main", reason="gpud-k8s needs the k8s extra (grpcio, kubernetes_asyncio)")
+    r = run_main("k8s_prepare", "--claims", "5", "--repeat", "3", "--gpus", "2", "--shares-seconds", "1")
+    has(["prepare_one", "unprepare_one", "prepare_batch", "unprepare_batch", "batch_share", "config", "machine"], r)
+    shares = r["shares"]
+    if "skipped" not in shares:  # (no writable cgroup v2: said why)
+        assert shares["targets"] == [0.25, 0.75] and abs(sum(shares["got"]) - 1) < 0.01
+        assert shares["cpu_s"] >= 1 and shares["wall_s"] > 0 and shares["error_pp"] >= 0
+    has(MACHINE, r["machine"])
+    assert (r["config"]["claims"], r["config"]["repeat"], r["config"]["gpus"]) == (5, 3, 2)
+    for key, n in (("prepare_one", 3), ("unprepare_one", 3), ("prepare_batch", 5), ("unprepare_batch", 5)):
+        f = r[key]
+        has(["p50_ms", "p99_ms", "max_ms", "n"], f)
+        assert f["n"] == n and 0 < f["p50_ms"] <= f["p99_ms"] <= f["max_ms"]
+    for key in ("prepare_batch", "unprepare_batch"):
+        assert (r[key]["claims"], r[key]["calls"]) == (5, 5) and r[key]["wall_ms"] >= r[key]["max_ms"] - 0.1
+    assert r["batch_share"] == {"cores": 33, "memory_bytes": 26 * 2**30 + 512 * 2**20, "claims_per_gpu": 3}
+    for key in ("cpu_ms_per_claim_one", "cpu_ms_per_claim_batch"):
+        assert set(r[key]) == {"agent", "gpud", "kubelet_and_api_server"} and min(r[key].values()) >= 0
 
 
 # --- none is left out ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from gpud_k8s.prepared import Prepared, PreparedClaims
 from .cdi import validate_cdi_spec
 from .fake_apiserver import ThreadedFakeApiServer
 from .fake_kubelet import Claim, KubeletThread
+from .rbac import beyond
 
 NODE = "node-a"
 CONFIG = {"apiVersion": "gpu.gpud.io/v1alpha1", "kind": "GpudClaimConfig"}
@@ -181,6 +182,39 @@ def test_a_whole_gpu_and_a_bad_config_side_by_side(node: Node) -> None:
                 p.PRIORITY_OF_CLASS["high"],
                 "checkpoint",
             )
+            # the claim's own status says why, on its device of this node (the kubelet's event says it too)
+            (entry,) = node.api.get("resourceclaims", "team-a", "bad")["status"]["devices"]
+            (ready,) = entry["conditions"]
+            assert (entry["driver"], entry["pool"], entry["device"]) == (DRIVER, NODE, "gpu-1")
+            assert entry["shareID"] == f"00000000-0000-4000-8000-{bad[-12:]}"
+            assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "ClaimConfigInvalid")
+            assert "$.priorityClass" in ready["message"]
+            assert "devices" not in node.api.get("resourceclaims", "team-a", "whole")["status"], "said only of failures"
+
+            assert beyond(node.api.counts) == [], "every request is one the agent's ClusterRole allows"
+
+    asyncio.run(body())
+
+
+def test_a_claim_gpud_could_not_serve_says_so_in_its_status_until_a_prepare_succeeds(node: Node) -> None:
+    uid = "0b9e4c1a-0000-4000-8000-000000000005"
+    node.api.put(resource_claim(uid, "later", 0, cores="50", memory="2Gi"))
+    claim = Claim("team-a", uid, "later")
+
+    async def body() -> None:
+        async with agent(node):
+            with Client(node.gpud.socket, name="batch") as admin:
+                admin.allocate("batch", gpus=1, prefer=[0], strategy="only")  # GPU 0 is full
+                outcome = await node.kubelet.prepare(DRIVER, [claim])
+                assert not outcome.ok and "gpud refused it" in outcome.results[uid].error
+                (entry,) = node.api.get("resourceclaims", "team-a", "later")["status"]["devices"]
+                assert [(c["status"], c["reason"]) for c in entry["conditions"]] == [("False", "PrepareFailed")]
+                admin.release_allocation("batch")
+            outcome = await node.kubelet.prepare(DRIVER, [claim])
+            assert outcome.ok, outcome.error
+            (entry,) = node.api.get("resourceclaims", "team-a", "later")["status"]["devices"]
+            assert [(c["status"], c["reason"]) for c in entry["conditions"]] == [("True", "Prepared")]
+            assert beyond(node.api.counts) == [], "every request is one the agent's ClusterRole allows"
 
     asyncio.run(body())
 

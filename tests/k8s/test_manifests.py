@@ -222,6 +222,8 @@ def test_the_daemonset_mounts_what_the_agent_and_gpud_need() -> None:
 
 
 def test_the_cluster_role_grants_exactly_what_the_agent_uses() -> None:
+    """Each grant is a call of gpud_k8s/kube.py's (named beside it); the end-to-end tests check the other way,
+    that every request the agent makes is granted (tests/k8s/rbac.py)."""
     rules = {
         (group, resource): sorted(rule["verbs"])
         for rule in find("ClusterRole", "gpud-k8s")["rules"]
@@ -229,16 +231,12 @@ def test_the_cluster_role_grants_exactly_what_the_agent_uses() -> None:
         for resource in rule["resources"]
     }
     assert rules == {
-        ("resource.k8s.io", "resourceclaims"): ["get", "list", "watch"],
-        ("resource.k8s.io", "resourceclaims/status"): ["get"],
-        ("resource.k8s.io", "resourceslices"): sorted(
-            ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
-        ),
-        ("resource.k8s.io", "deviceclasses"): ["get"],
-        ("", "pods"): ["get", "list", "watch"],
-        ("", "pods/eviction"): ["create"],
-        ("", "nodes"): ["get"],
-        ("", "events"): ["create", "patch"],
+        ("resource.k8s.io", "resourceclaims"): ["get"],  # get_claim
+        ("resource.k8s.io", "resourceclaims/status"): ["patch"],  # set_claim_condition
+        ("resource.k8s.io", "resourceslices"): ["create", "delete", "get", "list", "update"],  # the slice's calls
+        ("", "pods"): ["list"],  # list_node_pods
+        ("", "pods/eviction"): ["create"],  # evict
+        ("", "nodes"): ["get"],  # node_uid
     }
 
 
