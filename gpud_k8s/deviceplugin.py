@@ -37,7 +37,7 @@ from gpud_client import protocol as p
 from gpud_client.errors import ProtocolError
 from gpud_k8s import kubelet_api as k
 from gpud_k8s.cdi import CONTAINER_DIR, SOCKET_NAME
-from gpud_k8s.keeping import Evictor, evict_pods
+from gpud_k8s.evictions import Evictor, evict_pods
 
 log = structlog.get_logger(__name__)
 RESOURCE = "gpud.io/gpu-seat"

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,10 +48,11 @@ from gpud_client.errors import DaemonUnavailable, GpudError, ProtocolError
 from gpud_client.proctl.base import Backend, ControlError
 from gpud_client.proctl.cgroup import CgroupBackend, FreezerAway
 from gpud_client.proctl.signals import SignalBackend
-from gpud_client.proctl.tree import ProcessTree
 from gpud_k8s import kubelet_api as k
 from gpud_k8s.claims import task_uid
 from gpud_k8s.containers import Hierarchy, claim_containers, container_ids, find_cgroups
+from gpud_k8s.evictions import evict_pods
+from gpud_k8s.pausing import CgroupProcesses, GpudFreezer
 from gpud_k8s.prepared import Prepared
 from gpud_k8s.turns import (
     Action,
@@ -71,8 +71,8 @@ from gpud_k8s.turns import (
 
 log = structlog.get_logger(__name__)
 FIND_S = 0.2  # how often the kept claims' containers are looked for
-POD_REFRESH_S = 5.0  # the node's pods listed again at most this often (sooner for a pod not known yet)
-EVICT_RETRY_S = 5.0  # an eviction a disruption budget refused is asked again after this
+POD_REFRESH_S = 5.0  # the node's pods listed again this often ...
+POD_SOONEST_S = 1.0  # ... or after this long when the kubelet names a pod the last list did not have
 TICK_S = 1.0
 CHECK_S = 5.0  # how often the claims' allocations are looked for in gpud
 
@@ -85,10 +85,6 @@ class Kube(Protocol):
     async def evict(self, namespace: str, name: str, uid: str | None = None) -> str: ...
 
 
-class Evictor(Protocol):
-    async def evict(self, namespace: str, name: str, uid: str | None = None) -> str: ...
-
-
 Event = Callable[[float], list[Action]]
 
 
@@ -97,43 +93,6 @@ class Seen:
     cgroups: tuple[str, ...]  # the containers' cgroups, as gpud's ADOPT names them
     folders: tuple[Path, ...]  # the same in the file system
     terminating: bool  # a pod that holds the claim is being deleted
-
-
-class CgroupProcesses(ProcessTree):
-    """The processes of a claim's containers (every process in their cgroups), for the backends that act
-    on processes (the CUDA driver's lock, SIGSTOP while gpud cannot be reached)."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-        self.folders: tuple[Path, ...] = ()
-
-    def pids(self) -> list[int]:
-        found: list[int] = []
-        for folder in self.folders:
-            for here, _, _ in os.walk(folder):
-                try:
-                    found += [int(x) for x in Path(here, "cgroup.procs").read_text().split()]
-                except (OSError, ValueError):
-                    continue
-        return found
-
-
-class GpudFreezer:
-    """``proctl.cgroup``'s Freezer for a claim: gpud freezes the cgroups handed on the claim's connection.
-    Called from the backend's thread; the calls run in the agent's loop."""
-
-    def __init__(self, keeper: Keeper, loop: asyncio.AbstractEventLoop) -> None:
-        self.keeper = keeper
-        self.loop = loop
-
-    def freeze(self) -> None:
-        if not asyncio.run_coroutine_threadsafe(self.keeper.freeze(True), self.loop).result():
-            log.warning(
-                "claim_freeze_slow", claim=self.keeper.name, why="not frozen yet; the kernel freezes it as it can"
-            )
-
-    def thaw(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.keeper.freeze(False), self.loop).result()
 
 
 @dataclass
@@ -475,7 +434,8 @@ class Keepers:
             for x in watched
         }
         wanted = {(ns, pod) for hs in holders.values() for ns, pod, _ in hs or []}
-        if now - self.pods_at >= POD_REFRESH_S or not wanted <= set(self.pods):
+        stale = now - self.pods_at
+        if stale >= POD_REFRESH_S or (not wanted <= set(self.pods) and stale >= POD_SOONEST_S):
             await self._list_pods(now)
         for keeper in watched:
             keeper.seen(self._seen(keeper, holders[keeper.rec.uid]))
@@ -545,29 +505,6 @@ class Keepers:
         listing = await self._pod_resources()
         names = {h.pod for h in claim_containers(listing or [], rec.namespace, rec.name)}
         return [(name, None) for name in sorted(names)]
-
-
-async def evict_pods(
-    kube: Kube | Evictor, namespace: str, pods: list[tuple[str, str | None]], what: str, why: str
-) -> None:
-    """Evict each pod ``(name, uid)`` through the Eviction API, asking again every ``EVICT_RETRY_S`` while a
-    disruption budget refuses it (or the API server cannot be reached), until each is evicted or gone."""
-    log.warning("pods_evicting", what=what, why=why, pods=[name for name, _ in pods])
-    left = list(pods)
-    while left:
-        blocked = []
-        for name, uid in left:
-            try:
-                outcome = await kube.evict(namespace, name, uid)
-            except Exception as exc:  # the API server away: asked again
-                log.warning("pod_eviction_failed", what=what, pod=f"{namespace}/{name}", error=str(exc))
-                outcome = "blocked"
-            log.info("pod_eviction", what=what, pod=f"{namespace}/{name}", outcome=outcome)
-            if outcome == "blocked":
-                blocked.append((name, uid))
-        left = blocked
-        if left:
-            await asyncio.sleep(EVICT_RETRY_S)
 
 
 def _reserved(pod: dict[str, Any], rec: Prepared) -> bool:

@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client import protocol as p
 from gpud_k8s.claims import DRIVER
+from tests.integration.waiting import eventually
 from tests.testcgroups import CgroupTree, usable
 
 from .fake_apiserver import ThreadedFakeApiServer
@@ -54,14 +54,6 @@ def tree() -> Iterator[CgroupTree]:
         yield t
     finally:
         t.close()
-
-
-def wait(what: str, check: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return found
 
 
 def runs(daemon: DaemonProcess, task: str) -> p.RunProgramInfo | None:
@@ -127,7 +119,8 @@ class Scene:
         for pod in self.pods:  # the runtime starts each container with its claim's CDI edits
             self.tree.spawn(pod.cgroup, env=cdi_env(self.root / "cdi" / f"gpud.io-claim_{pod.claim_uid}.json"))
         for pod in self.pods:
-            wait(f"{pod.name}'s container handed to gpud", lambda pod=pod: runs(self.daemon, f"k8s-{pod.claim_uid}"))
+            handed = lambda pod=pod: runs(self.daemon, f"k8s-{pod.claim_uid}")  # noqa: E731
+            eventually(handed, f"{pod.name}'s container handed to gpud", timeout=60)
 
     def unprepare(self) -> None:
         async def unprepare() -> None:
@@ -143,7 +136,7 @@ class Scene:
         """Each container's part of the CPU time they used between them, until they used ``seconds``."""
         start = self.cpu()
         used = lambda: {name: t - start[name] for name, t in self.cpu().items()}  # noqa: E731
-        wait(f"{seconds} s of CPU time between them", lambda: sum(used().values()) >= seconds * 1e6, timeout=120)
+        eventually(lambda: sum(used().values()) >= seconds * 1e6, f"{seconds} s of CPU time between them", timeout=120)
         got = used()
         shares = {name: t / sum(got.values()) for name, t in got.items()}
         print("shares:", {name: round(x, 3) for name, x in shares.items()})
@@ -187,14 +180,16 @@ def test_unmodified_containers_take_turns_by_their_claims_shares_and_are_suspend
         states = {a.task_id: a.state for a in admin.allocations().allocations}
         assert states[f"k8s-{little.claim_uid}"] == p.AllocState.SUSPENDED  # waiting for its devices
         assert tree.frozen(little.cgroup)
-        wait("the big pod evicted", lambda: (api.get("pods", NS, big.name) or {}).get("metadata", {}).get(
-            "deletionTimestamp") or api.get("pods", NS, big.name) is None)  # fmt: skip
+        evicted = lambda: (api.get("pods", NS, big.name) or {}).get("metadata", {}).get(  # noqa: E731
+            "deletionTimestamp") or api.get("pods", NS, big.name) is None  # fmt: skip
+        eventually(evicted, "the big pod evicted", timeout=60)
         assert api.get("pods", NS, little.name) is not None, "a suspended claim's pod is not evicted"
-        wait("the big claim's containers frozen for good", lambda: tree.frozen(big.cgroup))
+        eventually(lambda: tree.frozen(big.cgroup), "the big claim's containers frozen for good", timeout=60)
         frozen_at = tree.cpu_usec(little.cgroup)
         admin.release_allocation("urgent")
     # resumed: the little one takes turns again (the big one's allocation is gone: it stays frozen)
-    wait("the suspended claim running again", lambda: tree.cpu_usec(little.cgroup) > frozen_at + 200_000)
+    running = lambda: tree.cpu_usec(little.cgroup) > frozen_at + 200_000  # noqa: E731
+    eventually(running, "the suspended claim running again", timeout=60)
     assert tree.frozen(big.cgroup)
 
     scene.unprepare()

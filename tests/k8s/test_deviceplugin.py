@@ -20,6 +20,7 @@ from gpud_client.aio import AsyncClient
 from gpud_k8s import kube as kube_api
 from gpud_k8s import kubelet_api as k
 from gpud_k8s.deviceplugin import RESOURCE, SeatPlugin
+from tests.integration.waiting import eventually_async
 
 from .fake_apiserver import ThreadedFakeApiServer
 from .fake_kubelet import KubeletThread
@@ -116,10 +117,11 @@ def test_a_seat_taken_back_has_its_pod_evicted_and_is_made_again_once_its_gpu_is
             with Client(daemon.socket) as admin:
                 assert [a.task_id for a in admin.allocations().allocations if a.gpus == [0]] == []
             await gpud.drain(0, on=False)  # back in service: its seats are made again
-            deadline = asyncio.get_running_loop().time() + 30
-            while len((await gpud.allocations()).allocations) < 4:
-                assert asyncio.get_running_loop().time() < deadline, "the seats were not made again"
-                await asyncio.sleep(0.05)
+
+            async def all_seats() -> bool:
+                return len((await gpud.allocations()).allocations) == 4
+
+            await eventually_async(all_seats, "the seats made again", timeout=30)
         finally:
             if watch is not None:
                 watch.cancel()
