@@ -7,8 +7,9 @@ A claim that neither takes turns nor is suspended when taken back needs nothing 
 keeper only waits for a preemption, to evict its pods at the grace's end. The others get a connection
 of their own to gpud (so that gpud's record of what it freezes is the claim's), and:
 
-- ``Watch`` looks for every kept claim's containers each ``find_s``: the kubelet's pod resources
-  ``List`` names the pods whose containers hold the claim (else the claim's ``reservedFor`` does), the
+- ``Keepers.watch`` looks for every kept claim's containers each ``find_s``: the kubelet's pod resources
+  ``List`` names the pods whose containers hold the claim (where that API cannot be reached, the pods
+  of this node that name the claim, all their containers), the
   pods on this node (listed from the API server every ``POD_REFRESH_S``) give their uids, whether they
   are being deleted and their containers' ids, and ``gpud_k8s.containers`` finds the cgroups;
 - the containers are paused and resumed exactly as ``gpuctl run`` pauses its program: gpud freezes
@@ -21,9 +22,8 @@ of their own to gpud (so that gpud's record of what it freezes is the claim's), 
   connection, which holds the claim's allocation (``Keepers.push``); and a claim whose allocation is no
   longer in gpud at all (taken back while a client in its pod held it, so the pushes went there) is
   told so by ``Keepers.check``, every few seconds, as a revocation;
-- an eviction is asked of the API server for each pod that holds the claim, again every
-  ``EVICT_RETRY_S`` while a disruption budget refuses it (429), until the pod is gone or the claim is
-  unprepared.
+- an eviction is asked of the API server for each pod the claim is reserved for (``gpud_k8s.evictions``:
+  again while a disruption budget refuses it), until the pod is gone or the claim is unprepared.
 
 A gpud that restarts forgets the cgroups it was handed (the kernel keeps them as they were: frozen stay
 frozen); the keeper hands them again when a FREEZE or THAW is refused for that.
@@ -508,8 +508,8 @@ class Keepers:
 
 
 def _reserved(pod: dict[str, Any], rec: Prepared) -> bool:
-    """The pod names the claim among its resource claims' statuses (``status.resourceClaimStatuses``)."""
-    for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []:
-        if s.get("resourceClaimName") == rec.name:
-            return True
-    return False
+    """The pod names the claim: in its spec (``resourceClaimName``), or as the claim made for it from a
+    template (``status.resourceClaimStatuses``)."""
+    named = [c.get("resourceClaimName") for c in (pod.get("spec") or {}).get("resourceClaims") or []]
+    named += [c.get("resourceClaimName") for c in (pod.get("status") or {}).get("resourceClaimStatuses") or []]
+    return rec.name in named
