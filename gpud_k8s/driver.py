@@ -30,18 +30,21 @@ import datetime
 import json
 import os
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 import structlog
+from prometheus_client import Histogram
 
 from gpud_client import protocol as p
 from gpud_client.errors import ProtocolError
 from gpud_k8s.cdi import SOCKET_NAME, claim_spec, device_id, spec_file_name
 from gpud_k8s.claims import DRIVER, ClaimError, ClaimPlan, device_name, plan
+from gpud_k8s.metrics import AgentMetrics
 from gpud_k8s.prepared import Prepared, PreparedClaims
 
 log = structlog.get_logger(__name__)
@@ -114,6 +117,7 @@ class Driver:
         nvidia: Callable[[str], str | None] = lambda uuid: None,
         driver: str = DRIVER,
         keepers: Keepers | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.node = node
         self.gpud = gpud
@@ -125,14 +129,30 @@ class Driver:
         self.nvidia = nvidia
         self.driver = driver
         self.keepers = keepers
+        self.metrics = metrics or AgentMetrics()
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
 
+    @contextlib.contextmanager
+    def _timed(self, histogram: Histogram) -> Iterator[None]:
+        """One kubelet call for one claim, observed by its result."""
+        t0 = time.perf_counter()
+        result = "failed"
+        try:
+            yield
+            result = "ok"
+        finally:
+            histogram.labels(result).observe(time.perf_counter() - t0)
+
     # --- prepare ---------------------------------------------------------------
 
     async def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
+        with self._timed(self.metrics.prepare):
+            return await self._prepare(namespace, uid, name)
+
+    async def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         async with self._lock(uid):
             rec = self.prepared.get(uid)
             if rec is not None and rec.state == "prepared":
@@ -266,6 +286,10 @@ class Driver:
 
     async def unprepare(self, namespace: str, uid: str, name: str) -> None:
         """Undo what prepare made; a claim this node never prepared (or unprepared already): nothing."""
+        with self._timed(self.metrics.unprepare):
+            await self._unprepare(uid)
+
+    async def _unprepare(self, uid: str) -> None:
         async with self._lock(uid):
             rec = self.prepared.get(uid)
             if rec is None:

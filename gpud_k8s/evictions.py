@@ -7,6 +7,7 @@ seat of the device-plugin fallback (``gpud_k8s.deviceplugin``). A budget that al
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -19,9 +20,17 @@ class Evictor(Protocol):
     async def evict(self, namespace: str, name: str, uid: str | None = None) -> str: ...
 
 
-async def evict_pods(kube: Evictor, namespace: str, pods: list[tuple[str, str | None]], what: str, why: str) -> None:
+async def evict_pods(
+    kube: Evictor,
+    namespace: str,
+    pods: list[tuple[str, str | None]],
+    what: str,
+    why: str,
+    counted: Callable[[str], None] = lambda outcome: None,
+) -> None:
     """Evict each pod ``(name, uid)`` through the Eviction API, asking again every ``EVICT_RETRY_S`` while a
-    disruption budget refuses it (or the API server cannot be reached), until each is evicted or gone."""
+    disruption budget refuses it (or the API server cannot be reached), until each is evicted or gone.
+    ``counted``: told each answer's outcome (evicted, blocked, gone, failed)."""
     log.warning("pods_evicting", what=what, why=why, pods=[name for name, _ in pods])
     left = list(pods)
     while left:
@@ -31,9 +40,10 @@ async def evict_pods(kube: Evictor, namespace: str, pods: list[tuple[str, str | 
                 outcome = await kube.evict(namespace, name, uid)
             except Exception as exc:  # the API server away: asked again
                 log.warning("pod_eviction_failed", what=what, pod=f"{namespace}/{name}", error=str(exc))
-                outcome = "blocked"
+                outcome = "failed"
             log.info("pod_eviction", what=what, pod=f"{namespace}/{name}", outcome=outcome)
-            if outcome == "blocked":
+            counted(outcome)
+            if outcome in ("blocked", "failed"):
                 blocked.append((name, uid))
         left = blocked
         if left:

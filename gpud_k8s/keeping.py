@@ -52,6 +52,7 @@ from gpud_k8s import kubelet_api as k
 from gpud_k8s.claims import task_uid
 from gpud_k8s.containers import Hierarchy, claim_containers, container_ids, find_cgroups
 from gpud_k8s.evictions import evict_pods
+from gpud_k8s.metrics import AgentMetrics
 from gpud_k8s.pausing import CgroupProcesses, GpudFreezer
 from gpud_k8s.prepared import Prepared
 from gpud_k8s.turns import (
@@ -140,6 +141,13 @@ class Keeper:
                 await self.carry_out(event(clock()))
             except (GpudError, OSError) as exc:  # this event's actions stop here; the next event goes on
                 log.warning("claim_keeping_failed", claim=self.name, error=str(exc))
+            self._show()
+
+    def _show(self) -> None:
+        m, labels = self.keepers.metrics, (self.rec.namespace, self.rec.name)
+        m.containers.labels(*labels).set(len(self.turns.cgroups))
+        m.paused.labels(*labels).set(1 if self.turns.cgroups and self.turns.program in ("paused", "parked") else 0)
+        m.suspended.labels(*labels).set(1 if self.turns.mode in ("suspending", "suspended") else 0)
 
     async def carry_out(self, actions: list[Action]) -> None:
         while actions:
@@ -182,7 +190,8 @@ class Keeper:
     async def connect(self) -> AsyncClient:
         if self.client is None:
             labels = {"task_id": self.rec.task_id, "k8s.claim": self.name}
-            self.client = await AsyncClient.connect(self.keepers.gpud_socket, name="gpud-k8s-claim", labels=labels)
+            name = f"k8s/{self.name}"[:128]  # gpud's session series name the claim by it (their client label)
+            self.client = await AsyncClient.connect(self.keepers.gpud_socket, name=name, labels=labels)
             inner = self.keepers.cuda() if self.rec.pause == "cuda" else None
             self.backend = CgroupBackend(
                 GpudFreezer(self, asyncio.get_running_loop()), inner=inner, fallback=SignalBackend()
@@ -254,6 +263,7 @@ class Keeper:
             except GpudError as exc:
                 log.warning("claim_turn_refused", claim=self.name, error=str(exc))
                 return
+            self.keepers.metrics.turns.labels(self.rec.namespace, self.rec.name).inc()
             self.post(self.turns.granted)
 
         self._spawn(acquire())
@@ -270,7 +280,10 @@ class Keeper:
 
     async def _evict(self, why: str) -> None:
         pods = await self.keepers.claim_pods(self.rec)
-        await evict_pods(self.keepers.kube, self.rec.namespace, pods, f"claim {self.name}", why)
+        counted = self.keepers.metrics.evictions.labels
+        await evict_pods(
+            self.keepers.kube, self.rec.namespace, pods, f"claim {self.name}", why, lambda x: counted(x).inc()
+        )
 
     # --- the node's word -------------------------------------------------------------------------
 
@@ -329,6 +342,7 @@ class Keepers:
         hierarchy: Hierarchy,
         pod_resources: Path | None,
         cuda: Callable[[], Backend | None] = lambda: None,
+        metrics: AgentMetrics | None = None,
         find_s: float = FIND_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -340,6 +354,7 @@ class Keepers:
         self.hierarchy = hierarchy
         self.pod_resources = pod_resources
         self.cuda = cuda
+        self.metrics = metrics or AgentMetrics()
         self.find_s = find_s
         self.clock = clock
         self.keepers: dict[str, Keeper] = {}
@@ -356,6 +371,10 @@ class Keepers:
         keeper = Keeper(rec, self)
         self.keepers[rec.uid] = keeper
         self.runs[rec.uid] = asyncio.ensure_future(keeper.run())
+        self.metrics.claim(
+            rec.namespace, rec.name, uid=rec.uid, task_id=rec.task_id, time_slice=rec.time_slice,
+            recovery=rec.recovery, pause=rec.pause,
+        )  # fmt: skip
         log.info("claim_kept", claim=keeper.name, time_slice=rec.time_slice, recovery=rec.recovery, pause=rec.pause)
 
     async def stop(self, uid: str) -> None:
@@ -367,6 +386,7 @@ class Keepers:
             await asyncio.gather(run, return_exceptions=True)
         if keeper is not None:
             await keeper.close()
+            self.metrics.forget(keeper.rec.namespace, keeper.rec.name)
 
     async def close(self) -> None:
         """The agent stops: every keeper's loop ends; containers stay as the kernel has them (a frozen one

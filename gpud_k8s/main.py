@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpud_client.aio import AsyncClient
 from gpud_client.errors import GpudError
@@ -31,6 +32,7 @@ from gpud_k8s.containers import Hierarchy
 from gpud_k8s.deviceplugin import SeatPlugin
 from gpud_k8s.driver import Driver, nvidia_cdi_ids
 from gpud_k8s.keeping import CHECK_S, FIND_S, Keepers
+from gpud_k8s.metrics import AgentMetrics
 from gpud_k8s.plugin import KubeletPlugin
 from gpud_k8s.prepared import PreparedClaims
 from gpud_k8s.publisher import Publisher
@@ -58,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--allow-simulated", action="store_true", help="publish gpud's simulated GPUs (tests, demos)")
     ap.add_argument("--publish-interval", type=float, default=5.0, help="seconds between reads of gpud's GPUs")
-    ap.add_argument("--healthz", default=":8081", help="HOST:PORT of /healthz ('' for none)")
+    ap.add_argument("--healthz", default=":8081", help="HOST:PORT of /healthz and /metrics ('' for none)")
     ap.add_argument(
         "--cgroup-root",
         help="where the node's pod cgroups are looked for (default: the cgroup2 mount: kubepods below it)",
@@ -76,8 +78,11 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def serve_healthz(address: str, healthy: dict[str, Callable[[], bool]]) -> asyncio.Server | None:
-    """``GET /healthz``: 200 while gpud answers and the kubelet registered the plugin, else 503."""
+async def serve_healthz(
+    address: str, healthy: dict[str, Callable[[], bool]], metrics: AgentMetrics | None = None
+) -> asyncio.Server | None:
+    """``GET /healthz``: 200 while gpud answers and the kubelet registered the plugin, else 503;
+    ``GET /metrics``: the agent's series (``gpud_k8s.metrics``), in Prometheus' text format."""
     if not address:
         return None
     host, _, port = address.rpartition(":")
@@ -88,14 +93,23 @@ async def serve_healthz(address: str, healthy: dict[str, Callable[[], bool]]) ->
                 line = await reader.readline()
                 while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                     pass
-            if line.split()[1:2] != [b"/healthz"]:
-                status, body = b"404 Not Found", b"only /healthz\n"
+            path = line.split()[1:2]
+            kind = b"text/plain"
+            if metrics is not None and path == [b"/metrics"]:
+                status, body, kind = b"200 OK", generate_latest(metrics.registry), CONTENT_TYPE_LATEST.encode()
+            elif path != [b"/healthz"]:
+                status, body = b"404 Not Found", b"only /healthz and /metrics\n"
             elif failing := [name for name, check in healthy.items() if not check()]:
                 status, body = b"503 Service Unavailable", ("not ready: " + ", ".join(failing) + "\n").encode()
             else:
                 status, body = b"200 OK", b"ok\n"
             writer.write(
-                b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + kind
+                + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body
             )
             await writer.drain()
         writer.close()
@@ -143,6 +157,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"gpud-k8s: {exc}", file=sys.stderr)
         return 1
     paths = k.KubeletPaths(Path(args.kubelet_dir))
+    metrics = AgentMetrics()
     keepers = Keepers(
         node=node,
         gpud=gpud,
@@ -152,6 +167,7 @@ async def run(args: argparse.Namespace) -> int:
         hierarchy=hierarchy,
         pod_resources=paths.pod_resources_socket,
         cuda=cuda_backend,
+        metrics=metrics,
         find_s=args.find_interval,
     )
     await gpud.add_allocation_listener(keepers.push)
@@ -165,6 +181,7 @@ async def run(args: argparse.Namespace) -> int:
         uuids=uuids.get,
         nvidia=nvidia_cdi_ids((Path("/etc/cdi"), Path("/var/run/cdi"))),
         keepers=keepers,
+        metrics=metrics,
     )
     await driver.recover()
     publisher = Publisher(
@@ -181,7 +198,7 @@ async def run(args: argparse.Namespace) -> int:
     await plugin.start()
     gpud_ok = [True]  # the last reassertion reached gpud
     healthz = await serve_healthz(
-        args.healthz, {"gpud": lambda: gpud_ok[0], "kubelet": plugin.registration.registered.is_set}
+        args.healthz, {"gpud": lambda: gpud_ok[0], "kubelet": plugin.registration.registered.is_set}, metrics
     )
     log.info("gpud_k8s_started", node=node, driver=DRIVER, shared=shared, prepared=len(driver.claims()))
 

@@ -21,11 +21,13 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gpud.host.metrics import Metrics
+from gpud_k8s.metrics import AgentMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "gpud-rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "gpud.json"
 JOB = "gpud"  # the scrape job the alerts on a missing daemon name (the rules file's header says so)
+AGENT_JOB = "gpud-k8s"  # gpud-k8s's job (its /metrics)
 
 
 def need(binary: str) -> str:
@@ -159,7 +161,7 @@ def series_names(expr: str) -> set[str]:
 
 
 def exported_series() -> set[str]:
-    """Every sample name gpud can export (from a fresh registry), and Prometheus' own ``up``."""
+    """Every sample name gpud and gpud-k8s can export (from fresh registries), and Prometheus' own ``up``."""
     names = {"up"}
     for family in _registry().collect():
         if family.type == "counter":
@@ -174,4 +176,5 @@ def exported_series() -> set[str]:
 def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     Metrics(registry)
+    AgentMetrics(registry)  # gpud-k8s's (its job: gpud-k8s)
     return registry

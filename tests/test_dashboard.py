@@ -34,8 +34,8 @@ from monitoring import (  # tests/ is on the path of its top-level modules
 )
 
 ROWS = ["Node at a glance", "Locks and limits", "Leases", "Allocations and tenants", "Take-back"]
-ROWS += ["Kubernetes (by namespace)"]
-VARIABLES = {"datasource", "instance", "gpu", "namespace"}
+ROWS += ["Kubernetes (by namespace and claim)"]
+VARIABLES = {"datasource", "instance", "gpu", "namespace", "k8s_namespace"}
 SEVERITIES = {"critical", "warning", "info"}
 DURATION = re.compile(r"^\d+[smhd]$")
 RECORDED = re.compile(r"^[a-z_]+:gpud_[a-z0-9_]+:[a-z0-9_]+$")
@@ -158,12 +158,22 @@ def test_a_panel_naming_a_series_that_does_not_exist_is_caught() -> None:
         dashboard_queries(all_values(board), board)
 
 
-def test_the_kubernetes_row_is_built_on_the_tenant_series_of_the_chosen_namespaces() -> None:
+def test_the_kubernetes_row_is_built_on_the_tenant_series_and_the_agents_of_the_chosen_namespaces() -> None:
     board = dashboard()
     rows = [p for p in board["panels"]]
     start = next(i for i, p in enumerate(rows) if p["type"] == "row" and p["title"] == ROWS[-1])
     k8s = [p for p in rows[start + 1 :] if p["type"] not in ("row", "text")]
-    assert k8s
+    recorded = recording_rules()
+    tenants = agents = 0
     for target in (t for p in k8s for t in p["targets"]):
-        assert 'tenant=~"$namespace"' in target["expr"]
-        assert all("tenant" in name for name in series_names(target["expr"]))
+        names = series_names(target["expr"])
+        read = names | {n for r in names & set(recorded) for n in series_names(recorded[r])}
+        if all("tenant" in name for name in names):  # gpud's tenants, the chosen ones
+            tenants += 1
+            assert 'tenant=~"$namespace"' in target["expr"]
+        else:  # gpud-k8s's own series; those of claims, by the claims' namespaces chosen
+            agents += 1
+            assert all("gpud_k8s_" in name for name in read), target["expr"]
+            if any(n.startswith(("namespace:", "claim:", "gpud_k8s_claim")) for n in names):
+                assert 'namespace=~"$k8s_namespace"' in target["expr"], target["expr"]
+    assert tenants >= 3 and agents >= 5

@@ -1,15 +1,18 @@
 """gpud's rules and dashboard against a real Prometheus scraping a real gpud.
 
 One Prometheus (its own directory, a free loopback port, scrape and rule evaluation every second)
-scrapes one gpud on two GPUs of the stand-in NVML (tests/fakenvml: a GPU can be lost), and a stand-in
-dcgm-exporter page (two GPUs by the same UUIDs, with dcgm-exporter's labels). A short load exercises
+scrapes one gpud on two GPUs of the stand-in NVML (tests/fakenvml: a GPU can be lost), a stand-in
+dcgm-exporter page (two GPUs by the same UUIDs, with dcgm-exporter's labels), and a gpud-k8s process
+(job ``gpud-k8s``: its /metrics) that serves a gpud of its own on a simulated GPU through the fake
+kubelet and API server of tests/k8s, with one time-sliced claim prepared. A short load exercises
 each capability: two sessions with compute limits contending for GPU 0, leases granted, skipped and
 timed out on GPU 1, allocations in a tenant, and one preemption whose victim yields. Then, through
 Prometheus' HTTP API: every recording rule and every dashboard query returns a series with a plausible
 value, every rule evaluates without error, and no alert is active. Last, each alert's condition is
 made to hold (a victim that overruns its grace, the same task taken back a third time, a tenant
 borrowing and then over its lowered quota, a GPU lost, a session above its memory limit and one
-above its compute limit, a GPU drained, the daemon stopped) and its alert fires. The alerts run from a
+above its compute limit, a GPU drained, a claim the agent refuses to prepare, the daemon and the agent
+stopped) and its alert fires. The alerts run from a
 copy of the rules whose ``for:`` is 0s (``monitoring.rules_with_for``): nothing else is changed.
 
 Every wait polls Prometheus or the daemon for a state (``eventually``), never sleeps for one.
@@ -17,6 +20,7 @@ Every wait polls Prometheus or the daemon for a state (``eventually``), never sl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -25,10 +29,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
@@ -40,6 +46,7 @@ from typing import Any
 
 import pytest
 from monitoring import (  # tests/ is on the path of its top-level modules
+    AGENT_JOB,
     JOB,
     alerting_rules,
     dashboard_queries,
@@ -51,6 +58,10 @@ from monitoring import (  # tests/ is on the path of its top-level modules
 from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_client import protocol as p
+from gpud_k8s.claims import DRIVER
+from tests.k8s.fake_apiserver import ThreadedFakeApiServer
+from tests.k8s.fake_kubelet import Claim, KubeletThread
+from tests.k8s.test_driver import NODE, resource_claim
 
 from .waiting import eventually
 
@@ -117,6 +128,16 @@ PLAUSIBLE: dict[str, tuple[float, float]] = {
     "reason:gpud_preemptions_repeated:increase1h": (0.0, 0.0),
     "instance:gpud_elastic_changes:increase1h": (0.0, 0.0),
 }
+# gpud-k8s's records (read without the gpud instance: some are by namespace, across the cluster).
+K8S_PLAUSIBLE: dict[str, tuple[float, float]] = {
+    "namespace:gpud_k8s_claims:count": (1.0, 1.0),
+    "namespace:gpud_k8s_claims_suspended:count": (0.0, 0.0),
+    "claim:gpud_k8s_claim_turns:rate5m": NON_NEGATIVE,
+    "instance:gpud_k8s_prepare_seconds:p99_rate5m": (0.0, WAIT_S),
+    "instance:gpud_k8s_prepare_failures:rate5m": (0.0, 0.0),
+    "outcome:gpud_k8s_pod_evictions:rate5m": (0.0, 0.0),
+}
+TIME_SLICED = {"apiVersion": "gpu.gpud.io/v1alpha1", "kind": "GpudClaimConfig", "timeSlice": True}
 # Made to hold in test_each_alert_fires_when_its_condition_holds, in that order; GpudDown last.
 FIRED = [
     "GpudPreemptionGraceOverruns",
@@ -127,10 +148,13 @@ FIRED = [
     "GpudSessionOverMemoryLimit",
     "GpudSessionOverComputeLimit",
     "GpudGpuDrainingTooLong",
+    "GpudK8sPrepareFailing",
 ]
 # Conditions this test does not make (a failing store, faults, elastic flapping, no target at all):
 # they must stay quiet while the others fire.
 QUIET = ["GpudStoreFailures", "GpudStoreRecordsSetAside", "GpudFaults", "GpudElasticScalingRunaway", "GpudAbsent"]
+QUIET += ["GpudK8sEvictionBlocked"]
+DOWN = ["GpudDown", "GpudK8sAgentDown"]  # last: the daemon and the agent stopped
 
 
 class Prometheus:
@@ -254,6 +278,7 @@ class Node:
     d: DaemonProcess
     prom: Prometheus
     instance: str  # the gpud target's instance label
+    agent: Agent
     workdir: Path
     clients: dict[str, Client]
     sessions: dict[str, Any]
@@ -262,7 +287,64 @@ class Node:
     update_nvml: Callable[[dict[str, object]], None]
 
     def why(self) -> str:
-        return f"--- gpud ---\n{self.d.log()[-4000:]}\n--- prometheus ---\n{self.prom.why()}"
+        agent = (self.workdir / "agent.log").read_text(errors="replace")[-3000:]
+        return f"--- gpud ---\n{self.d.log()[-4000:]}\n--- gpud-k8s ---\n{agent}\n--- prometheus ---\n{self.prom.why()}"
+
+
+@dataclass
+class Agent:
+    """gpud-k8s, with a gpud of its own and the fake kubelet and API server: its /metrics, a target."""
+
+    instance: str
+    proc: subprocess.Popen[bytes]
+    api: ThreadedFakeApiServer
+    kubelet: KubeletThread
+
+    def prepare(self, name: str, config: dict[str, object]) -> bool:
+        """A claim of half the GPU in namespace ``ml`` (no tenant of gpud's) put and prepared; whether it was."""
+        claim = resource_claim(str(uuid.uuid4()), name, 0, cores="50", memory="4Gi", config=config)
+        claim["metadata"]["namespace"] = "ml"
+        self.api.put(claim)
+
+        async def prepare() -> bool:
+            await self.kubelet.wait_for_dra_driver(DRIVER)
+            outcome = await self.kubelet.prepare(DRIVER, [Claim("ml", claim["metadata"]["uid"], name)])
+            return outcome.ok
+
+        return asyncio.run(prepare())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_agent(stack: ExitStack, workdir: Path) -> Agent:
+    gpud = DaemonProcess("--simulate", "1x16GiB", workdir=str(workdir / "agent-gpud"))
+    (workdir / "agent-gpud").mkdir()
+    gpud.start(timeout=30)
+    stack.callback(gpud.cleanup)
+    api = ThreadedFakeApiServer(version="1.37").start()
+    stack.callback(api.close)
+    kubelet = KubeletThread(workdir / "kubelet")
+    kubelet.start()
+    stack.callback(kubelet.close)
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "gpud_k8s.main", "--node-name", NODE, "--gpud-socket", gpud.socket,
+        "--api-server", api.url, "--kubelet-dir", str(workdir / "kubelet"), "--cdi-dir", str(workdir / "cdi"),
+        "--claims-dir", str(workdir / "claims"), "--state-dir", str(workdir / "agent"), "--shares", "on",
+        "--allow-simulated", "--healthz", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+    with open(workdir / "agent.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    agent = Agent(f"127.0.0.1:{port}", proc, api, kubelet)
+    stack.callback(agent.stop)
+    return agent
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +385,9 @@ def _start(stack: ExitStack, workdir: Path) -> Node:
     stack.callback(d.cleanup)
     (listening,) = [e for e in map(json.loads, d.log().splitlines()) if e.get("event") == "metrics_listening"]
     instance = f"127.0.0.1:{listening['port']}"
-    prom = start_prometheus(workdir, {JOB: instance, "dcgm": serve_dcgm_page(stack)}, rules_with_for("0s"))
+    agent = _start_agent(stack, workdir)
+    targets = {JOB: instance, "dcgm": serve_dcgm_page(stack), AGENT_JOB: agent.instance}
+    prom = start_prometheus(workdir, targets, rules_with_for("0s"))
     stack.callback(prom.stop)
     # Its first scrape of gpud, before any load: every counter's rise from then on is seen.
     eventually(lambda: prom.query(f'up{{job="{JOB}"}} == 1'), "gpud scraped", timeout=WAIT_S, why=prom.why)
@@ -314,7 +398,7 @@ def _start(stack: ExitStack, workdir: Path) -> Node:
     clients["prod"] = stack.enter_context(Client(d.socket, name="prod"))
     notices: queue.Queue[object] = queue.Queue()
     clients["batch"].add_allocation_listener(notices.put)
-    return Node(d, prom, instance, workdir, clients, {}, notices, pool, update_nvml)
+    return Node(d, prom, instance, agent, workdir, clients, {}, notices, pool, update_nvml)
 
 
 def _load(n: Node) -> None:
@@ -351,6 +435,8 @@ def _load(n: Node) -> None:
     # Allocations: half a GPU in tenant team-a; a low-priority task taken back once, and it yields.
     assert c["runner"].allocate("a-1", 0.5, tenant="team-a").gpus == [0]
     preempt(n, overrun=False)
+    # Kubernetes: a time-sliced claim prepared by gpud-k8s (on its own gpud).
+    assert n.agent.prepare("trainer", TIME_SLICED)
 
 
 def preempt(n: Node, *, overrun: bool) -> None:
@@ -376,10 +462,10 @@ def plausible(values: list[float], lo: float, hi: float) -> bool:
 
 
 def test_every_recording_rule_returns_a_plausible_series(node: Node) -> None:
-    assert set(PLAUSIBLE) == set(recording_rules()), "every recorded series needs its plausible range here"
-    for name, (lo, hi) in PLAUSIBLE.items():
+    assert set(PLAUSIBLE) | set(K8S_PLAUSIBLE) == set(recording_rules()), "every record needs its plausible range"
+    for name, (lo, hi) in [*PLAUSIBLE.items(), *K8S_PLAUSIBLE.items()]:
         got = eventually(
-            partial(node.prom.query, f'{name}{{instance="{node.instance}"}}'),
+            partial(node.prom.query, f'{name}{{instance="{node.instance}"}}' if name in PLAUSIBLE else name),
             f"{name} recorded",
             timeout=WAIT_S,
             why=node.why,
@@ -411,7 +497,8 @@ def test_the_records_join_dcgm_exporters_series_on_uuid(node: Node) -> None:
 
 
 def test_every_dashboard_query_returns_a_plausible_series(node: Node) -> None:
-    values = {"instance": node.instance, "gpu": ".*", "namespace": ".*", "datasource": "prometheus"}
+    values = {"instance": node.instance, "gpu": ".*", "namespace": ".*", "k8s_namespace": ".*"}
+    values["datasource"] = "prometheus"
     queries = dashboard_queries(values)
     assert len(queries) > 40
     for q in queries:
@@ -430,7 +517,7 @@ def test_every_rule_evaluates_and_no_alert_is_active_on_a_healthy_node(node: Nod
     rules = eventually(evaluated, "every rule evaluated", timeout=WAIT_S, why=lambda: str(node.prom.rules()))
     assert len(rules) == len(recording_rules()) + len(alerting_rules())
     assert all(not r.get("lastError") for r in rules)
-    assert set(FIRED) | set(QUIET) | {"GpudDown"} == set(alerting_rules())
+    assert set(FIRED) | set(QUIET) | set(DOWN) == set(alerting_rules())
     assert {name: s for name, s in node.prom.alert_states().items() if s != "inactive"} == {}
 
 
@@ -448,6 +535,8 @@ def test_each_alert_fires_when_its_condition_holds(node: Node) -> None:
     node.sessions["notebook"].report_memory(12 * GIB)  # its limit is 8 GiB
     node.sessions["holder"].set_limits(core_limit=20)  # it had all of GPU 1 through its last windows
     c["prod"].drain(0)
+    bad = {"apiVersion": "gpu.gpud.io/v1alpha1", "kind": "GpudClaimConfig", "priorityClass": "urgent"}
+    assert not node.agent.prepare("refused", bad)  # its config is wrong: the agent refuses it
 
     def firing() -> bool:
         states = node.prom.alert_states()
@@ -457,11 +546,12 @@ def test_each_alert_fires_when_its_condition_holds(node: Node) -> None:
         firing, "every alert whose condition holds fires", timeout=WAIT_S, why=lambda: str(node.prom.alert_states())
     )
     states = node.prom.alert_states()
-    assert {a: states[a] for a in QUIET + ["GpudDown"]} == dict.fromkeys(QUIET + ["GpudDown"], "inactive")
+    assert {a: states[a] for a in QUIET + DOWN} == dict.fromkeys(QUIET + DOWN, "inactive")
     node.d.stop()
+    node.agent.stop()
     eventually(
-        lambda: node.prom.alert_states()["GpudDown"] in ("pending", "firing"),
-        "GpudDown fires",
+        lambda: all(node.prom.alert_states()[a] in ("pending", "firing") for a in DOWN),
+        "GpudDown and GpudK8sAgentDown fire",
         timeout=WAIT_S,
         why=lambda: str(node.prom.alert_states()),
     )
