@@ -361,6 +361,9 @@ class Keepers:
         self.runs: dict[str, asyncio.Task[None]] = {}
         self.folders: dict[str, tuple[Path, ...]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> the pod, as last listed
+        # Pods gone from the API server that the kubelet still names: their containers may still run (a
+        # cgroup is the kernel's word on that), so they are still looked in, as they were last listed.
+        self.vanished: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods_at = -1e9
         self._channel: grpc.aio.Channel | None = None
         self._said: set[str] = set()
@@ -454,8 +457,10 @@ class Keepers:
             for x in watched
         }
         wanted = {(ns, pod) for hs in holders.values() for ns, pod, _ in hs or []}
+        if listing is not None:  # the kubelet no longer names it: its containers are gone
+            self.vanished = {key: pod for key, pod in self.vanished.items() if key in wanted}
         stale = now - self.pods_at
-        if stale >= POD_REFRESH_S or (not wanted <= set(self.pods) and stale >= POD_SOONEST_S):
+        if stale >= POD_REFRESH_S or (not wanted <= set(self.pods) | set(self.vanished) and stale >= POD_SOONEST_S):
             await self._list_pods(now)
         for keeper in watched:
             keeper.seen(self._seen(keeper, holders[keeper.rec.uid]))
@@ -473,7 +478,7 @@ class Keepers:
         folders: list[Path] = []
         terminating = False
         for key, names in by_pod.items():
-            found = self.pods.get(key)
+            found = self.pods.get(key) or (self.vanished.get(key) if holders is not None else None)
             if found is None:
                 continue
             meta = found.get("metadata") or {}
@@ -503,10 +508,11 @@ class Keepers:
 
     async def _list_pods(self, now: float) -> None:
         pods = await self.kube.list_node_pods(self.node)
-        self.pods = {
+        listed = {
             ((x.get("metadata") or {}).get("namespace", ""), (x.get("metadata") or {}).get("name", "")): x for x in pods
         }
-        self.pods_at = now
+        self.vanished |= {key: pod for key, pod in self.pods.items() if key not in listed}
+        self.pods, self.pods_at = listed, now
 
     async def claim_pods(self, rec: Prepared) -> list[tuple[str, str | None]]:
         """The pods that hold the claim, by name and uid: its ``reservedFor``, as the API server has it now

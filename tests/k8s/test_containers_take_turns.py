@@ -21,6 +21,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,6 +187,10 @@ def test_unmodified_containers_take_turns_by_their_claims_shares_and_are_suspend
         eventually(evicted, "the big pod evicted", timeout=60)
         assert api.get("pods", NS, little.name) is not None, "a suspended claim's pod is not evicted"
         eventually(lambda: tree.frozen(big.cgroup), "the big claim's containers frozen for good", timeout=60)
+        # gone from the API server while its container still runs (the kubelet still names it): still frozen
+        lists = api.count("list", "pods")
+        eventually(lambda: api.count("list", "pods") >= lists + 2, "the node's pods listed again", timeout=60)
+        assert api.get("pods", NS, big.name) is None and tree.frozen(big.cgroup)
         frozen_at = tree.cpu_usec(little.cgroup)
         admin.release_allocation("urgent")
     # resumed: the little one takes turns again (the big one's allocation is gone: it stays frozen)
@@ -224,3 +230,31 @@ def test_turns_go_on_across_a_restart_of_the_agent_and_of_gpud(scene: Scene) -> 
     assert adopted == {f"k8s-{a.claim_uid}", f"k8s-{b.claim_uid}"}
     scene.unprepare()
     assert not scene.tree.wants_frozen(a.cgroup) and not scene.tree.wants_frozen(b.cgroup)
+
+
+def test_a_pod_being_deleted_has_its_containers_thawed_for_its_sigterm(
+    tree: CgroupTree, daemon_factory: Any, fake_kubelet: KubeletThread
+) -> None:
+    """Kubernetes' own preemption (or a rollout) deletes the pod: its containers get SIGTERM and are
+    thawed for good to act on it within the pod's termination grace; its turns end there."""
+    api = ThreadedFakeApiServer(version="1.37", kubelet=False).start()  # the pod stays, being deleted
+    scene = Scene(tree, daemon_factory, api, fake_kubelet)
+    try:
+        a = scene.add(Pod("a-pod", "a", str(uuid.uuid4()), NS, NODE), "50", dict(SPOT))
+        scene.add(Pod("b-pod", "b", str(uuid.uuid4()), NS, NODE), "50", dict(SPOT))
+        scene.start_agent()
+        scene.prepare()
+        scene.shares(1)  # taking turns
+        request = urllib.request.Request(f"{api.url}/api/v1/namespaces/{NS}/pods/{a.name}", method="DELETE")
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 200
+        assert (api.get("pods", NS, a.name) or {}).get("metadata", {}).get("deletionTimestamp")
+        eventually(lambda: not tree.wants_frozen(a.cgroup), "the deleted pod's container thawed", timeout=60)
+        lists = api.count("list", "pods")
+        eventually(lambda: api.count("list", "pods") >= lists + 2, "the node's pods listed again", timeout=60)
+        for _ in range(20):  # thawed for good: the other claim's turns no longer pause it
+            assert not tree.wants_frozen(a.cgroup)
+            time.sleep(0.05)
+    finally:
+        scene.close()
+        api.close()
