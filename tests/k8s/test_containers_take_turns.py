@@ -16,6 +16,8 @@ CPU time than the 75 % claim's, and each gets some; the exact shares are ``bench
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
 import signal
 import subprocess
@@ -35,7 +37,7 @@ from gpud_client import Client
 from gpud_client import protocol as p
 from gpud_k8s.claims import DRIVER
 from tests.integration.waiting import eventually
-from tests.testcgroups import CgroupTree, usable
+from tests.testcgroups import BURN, CgroupTree, usable
 
 from .fake_apiserver import ThreadedFakeApiServer
 from .fake_kubelet import Claim, KubeletThread
@@ -76,6 +78,8 @@ class Scene:
         self.daemon: DaemonProcess = daemon_factory("--simulate", "1x16GiB", "--config", str(config))
         self.agent: subprocess.Popen[bytes] | None = None
         self.pods: list[Pod] = []
+        self.env: dict[str, str] = {}  # more of the agent's environment, and of the containers'
+        self.program = BURN  # what each container runs (Python, started once it is in its cgroup)
 
     def add(self, pod: Pod, cores: str, config: dict[str, Any]) -> Pod:
         made = self.api.put(pod.object())
@@ -96,7 +100,7 @@ class Scene:
             "--cgroup-root", str(self.tree.root), "--find-interval", "0.05",
         ]  # fmt: skip
         with open(self.root / "agent.log", "ab") as log:
-            self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
 
     def stop_agent(self, sig: int = signal.SIGTERM) -> None:
         if self.agent is not None and self.agent.poll() is None:
@@ -119,7 +123,8 @@ class Scene:
 
         asyncio.run(prepare())
         for pod in self.pods:  # the runtime starts each container with its claim's CDI edits
-            self.tree.spawn(pod.cgroup, env=cdi_env(self.root / "cdi" / f"gpud.io-claim_{pod.claim_uid}.json"))
+            env = {**self.env, **cdi_env(self.root / "cdi" / f"gpud.io-claim_{pod.claim_uid}.json")}
+            self.tree.spawn(pod.cgroup, self.program, env=env)
         for pod in self.pods:
             handed = lambda pod=pod: runs(self.daemon, f"k8s-{pod.claim_uid}")  # noqa: E731
             eventually(handed, f"{pod.name}'s container handed to gpud", timeout=60)
@@ -258,3 +263,40 @@ def test_a_pod_being_deleted_has_its_containers_thawed_for_its_sigterm(
     finally:
         scene.close()
         api.close()
+
+
+def test_with_pause_cuda_the_drivers_lock_comes_before_the_freeze(scene: Scene) -> None:
+    """``pause: cuda``: the containers' CUDA work is locked through the driver's checkpoint API (the stand-in
+    of tests/fakecuda, its calls logged) before gpud freezes them, as for ``gpuctl run --pause cuda``."""
+    fake = scene.root / "fakecuda"
+    fake.mkdir()
+    tests = Path(__file__).resolve().parents[1]
+    scene.env = {"PYTHONPATH": str(tests / "fakecuda"), "FAKE_CUDA_DIR": str(fake)}
+    burner, progress = str(tests / "programs" / "cuda_burner.py"), scene.root / "progress"
+    scene.program = (
+        "import runpy, sys; sys.stdin.buffer.read(1)\n"
+        f"sys.argv = [{burner!r}, {str(progress)!r}, '--max-seconds', '120']\n"
+        f"runpy.run_path({burner!r}, run_name='__main__')\n"
+    )
+    cuda = dict(SPOT, pause="cuda")
+    a = scene.add(Pod("a-pod", "a", str(uuid.uuid4()), NS, NODE), "50", cuda)
+    scene.add(Pod("b-pod", "b", str(uuid.uuid4()), NS, NODE), "50", cuda)
+    scene.start_agent()
+    scene.prepare()
+    scene.shares(2)
+    pid = int((scene.tree.path(a.cgroup) / "cgroup.procs").read_text().split()[0])
+
+    def calls(op: str) -> list[dict[str, object]]:
+        lines = (fake / "calls.log").read_text().splitlines() if (fake / "calls.log").exists() else []
+        return [c for c in map(json.loads, lines) if c["op"] == op and c["pid"] == pid]
+
+    eventually(lambda: [c for c in calls("lock") if c["result"] == "CUDA_SUCCESS"], "a's CUDA work locked", timeout=60)
+    eventually(lambda: calls("unlock"), "and unlocked for its turn", timeout=60)
+
+    def frozen_and_locked() -> bool:
+        if not scene.tree.frozen(a.cgroup):
+            return False
+        state = json.loads((fake / f"{pid}.json").read_text())["state"]
+        return state == "locked" and scene.tree.frozen(a.cgroup)
+
+    eventually(frozen_and_locked, "a frozen with its CUDA work locked", timeout=60)
