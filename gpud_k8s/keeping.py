@@ -383,13 +383,13 @@ class Keepers:
     async def stop(self, uid: str) -> None:
         keeper = self.keepers.pop(uid, None)
         run = self.runs.pop(uid, None)
-        self.folders.pop(uid, None)
         if run is not None:
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
         if keeper is not None:
             await keeper.close()
             self.metrics.forget(keeper.rec.namespace, keeper.rec.name)
+        self.folders.pop(uid, None)
 
     async def close(self) -> None:
         """The agent stops: every keeper's loop ends; containers stay as the kernel has them (a frozen one
@@ -401,6 +401,8 @@ class Keepers:
         for keeper in self.keepers.values():
             for task in list(keeper.tasks):
                 task.cancel()
+            if keeper.backend is not None:  # (its CUDA driver helper ends; what it locked stays frozen)
+                keeper.backend.close()
             if keeper.client is not None:
                 await keeper.client.close()
         self.keepers.clear()
