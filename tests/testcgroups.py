@@ -14,11 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from gpud.host.cgroups import MOUNTINFO, cgroup2_mount, directory, events
+from tests.integration.waiting import eventually
 
 BURN = "import sys; sys.stdin.buffer.read(1)\nwhile True:\n    pass\n"
 
@@ -124,14 +124,15 @@ def _empty(here: Path) -> None:
             (here / "cgroup.kill").write_text("1")
     except OSError:
         pass
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            here.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.001)  # the kernel empties a killed cgroup as its processes exit
+    eventually(lambda: _removed(here), f"{here} emptied by the kernel and removed")
+
+
+def _removed(here: Path) -> bool:
+    """rmdir once the kernel has emptied it (its killed processes exit): True once it is gone."""
+    try:
+        here.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True

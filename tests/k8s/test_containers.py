@@ -101,8 +101,9 @@ def test_a_containers_cgroup_is_found_by_its_id_with_either_driver(tmp_path: Pat
 
 def test_a_container_is_found_by_its_cdi_environment_before_its_id_is_known(tmp_path: Path) -> None:
     ctr, side = layout(tmp_path, True)
-    marked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"GPUD_TASK_ID": "k8s-x"})
-    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"GPUD_TASK_ID": "k8s-y"})
+    waits = "import signal; signal.pause()"  # until killed
+    marked = subprocess.Popen([sys.executable, "-c", waits], env={"GPUD_TASK_ID": "k8s-x"})
+    plain = subprocess.Popen([sys.executable, "-c", waits], env={"GPUD_TASK_ID": "k8s-y"})
     try:
         for proc in (marked, plain):  # (the kernel sets a process's environment late in its exec)
             eventually(lambda proc=proc: Path(f"/proc/{proc.pid}/environ").read_bytes(), "the environment set")

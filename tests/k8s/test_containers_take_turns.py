@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -246,7 +245,7 @@ def test_a_pod_being_deleted_has_its_containers_thawed_for_its_sigterm(
     scene = Scene(tree, daemon_factory, api, fake_kubelet)
     try:
         a = scene.add(Pod("a-pod", "a", str(uuid.uuid4()), NS, NODE), "50", dict(SPOT))
-        scene.add(Pod("b-pod", "b", str(uuid.uuid4()), NS, NODE), "50", dict(SPOT))
+        b = scene.add(Pod("b-pod", "b", str(uuid.uuid4()), NS, NODE), "50", dict(SPOT))
         scene.start_agent()
         scene.prepare()
         scene.shares(1)  # taking turns
@@ -257,9 +256,13 @@ def test_a_pod_being_deleted_has_its_containers_thawed_for_its_sigterm(
         eventually(lambda: not tree.wants_frozen(a.cgroup), "the deleted pod's container thawed", timeout=60)
         lists = api.count("list", "pods")
         eventually(lambda: api.count("list", "pods") >= lists + 2, "the node's pods listed again", timeout=60)
-        for _ in range(20):  # thawed for good: the other claim's turns no longer pause it
+        b_ran = tree.cpu_usec(b.cgroup)
+
+        def thawed_while_b_runs() -> bool:  # thawed for good: the other claim's turns no longer pause it
             assert not tree.wants_frozen(a.cgroup)
-            time.sleep(0.05)
+            return tree.cpu_usec(b.cgroup) > b_ran + 500_000
+
+        eventually(thawed_while_b_runs, "b's container running half a second", timeout=60)
     finally:
         scene.close()
         api.close()
