@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ from gpud.tools.spawn import DaemonProcess
 from gpud_client import Client
 from gpud_k8s.claims import DRIVER
 from gpud_k8s.slices import slice_name
+from tests.integration.waiting import eventually
 
 from .fake_apiserver import ThreadedFakeApiServer
 from .fake_kubelet import Claim, KubeletThread
@@ -42,13 +42,6 @@ def healthz(port: int) -> tuple[int, str]:
         return 0, ""
 
 
-def wait_until(what: str, check, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_the_agent_process_serves_a_node_and_stops_cleanly(
     daemon: DaemonProcess, apiserver: ThreadedFakeApiServer, fake_kubelet: KubeletThread
 ) -> None:
@@ -64,9 +57,9 @@ def test_the_agent_process_serves_a_node_and_stops_cleanly(
     ]  # fmt: skip
     agent = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until("the slice", lambda: apiserver.objects("resourceslices"))
+        eventually(lambda: apiserver.objects("resourceslices"), "the slice", timeout=30)
         assert apiserver.get("resourceslices", None, slice_name(NODE))["spec"]["devices"][1]["name"] == "gpu-1"
-        wait_until("/healthz 200", lambda: healthz(port)[0] == 200)
+        eventually(lambda: healthz(port)[0] == 200, "/healthz 200", timeout=30)
 
         async def prepare() -> None:
             await fake_kubelet.wait_for_dra_driver(DRIVER)
@@ -76,10 +69,15 @@ def test_the_agent_process_serves_a_node_and_stops_cleanly(
         asyncio.run(prepare())
         with Client(daemon.socket) as admin:
             admin.drain(0)  # republished with the GPU tainted
-        wait_until(
-            "the drained GPU's taint",
+        eventually(
             lambda: "taints" in apiserver.get("resourceslices", None, slice_name(NODE))["spec"]["devices"][0],
+            "the drained GPU's taint",
+            timeout=30,
         )
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # beside /healthz
+            metrics = r.read().decode()
+        assert 'gpud_k8s_claim_info{claim="half",namespace="team-a",pause="freeze",recovery="terminate",' in metrics
+        assert 'gpud_k8s_prepare_seconds_count{result="ok"} 1.0' in metrics
         agent.send_signal(signal.SIGTERM)
         out, _ = agent.communicate(timeout=30)
         assert agent.returncode == 0, out
